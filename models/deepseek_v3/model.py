@@ -1,0 +1,169 @@
+"""DeepSeek-V3 transformer: MLA attention, dense then MoE FFNs, optional multi-token prediction.
+
+Single-device module; parallelism, activation checkpointing and compile are applied from outside.
+Build it on the meta device and materialise with `to_empty` + `init_weights`:
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    model.to_empty(device="cuda")
+    model.init_weights()
+
+Initialisation (torchtitan's depth-scaled scheme, not DeepSeek's flat std 0.006): embedding
+N(0, 1); in every block the first projections (`wq*`, `wkv_*`, FFN/expert `w1`) use std 0.02 and
+`wo`, FFN/expert `w2`/`w3` and the router use `init_std / sqrt(2 * (layer_id + 1))`, so deeper
+blocks start with smaller residual updates; output head truncated N(0, dim**-0.5) at 3 std;
+norms 1; MTP `eh_proj` 0.02.
+With tied embeddings the shared matrix gets the head's N(0, dim**-0.5), since unit-std embeddings
+would give logits of std sqrt(dim).
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from models.common.attention import MLA, build_attention_mask
+from models.common.ffn import FeedForward
+from models.common.rope import precompute_freqs_cis
+from models.deepseek_v3.args import DeepSeekV3ModelArgs
+from models.deepseek_v3.mtp import MTPModule, mtp_input_ids
+from models.moe import MoE
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor
+    """`[B, S, vocab]` next-token logits (in the head's dtype)."""
+    mtp_logits: list[torch.Tensor]
+    """One `[B, S, vocab]` per MTP depth k, predicting `labels` shifted by k + 1 (see `mtp_loss`);
+    empty in eval mode, without MTP modules, or when no labels were given."""
+    aux_loss: torch.Tensor
+    """0-dim fp32 sum of the MoE balance losses of all blocks that ran (MTP blocks included)."""
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: `h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h))`.
+
+    The FFN is a dense `FeedForward` for `layer_id < n_dense_layers`, else an `MoE`.
+    """
+
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attn = MLA(
+            dim=args.dim,
+            n_heads=args.n_heads,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            softmax_scale=args.softmax_scale,
+            norm_eps=args.norm_eps,
+            backend=args.attn_backend,
+        )
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = layer_id >= args.n_dense_layers
+        if self.moe_enabled:
+            self.ffn = MoE(args.dim, args.moe_inter_dim, args.moe)
+        else:
+            self.ffn = FeedForward(args.dim, args.inter_dim)
+        self.weight_init_std = args.init_std / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: `[B, S, dim]`. Returns (`[B, S, dim]`, 0-dim fp32 aux loss; zero for dense blocks)."""
+        x = x + self.attn(self.attn_norm(x), freqs_cis, attn_mask)
+        if self.moe_enabled:
+            ffn_out, aux_loss = self.ffn(self.ffn_norm(x))
+        else:
+            ffn_out, aux_loss = self.ffn(self.ffn_norm(x)), x.new_zeros((), dtype=torch.float32)
+        return x + ffn_out, aux_loss
+
+    def init_weights(self) -> None:
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights(self.weight_init_std)
+        self.ffn.init_weights(self.weight_init_std)
+
+
+class DeepSeekV3Model(nn.Module):
+    """Embedding -> `n_layers` blocks (`layers["0"]`..) -> norm -> head, plus `mtp` modules.
+
+    `layers` is a ModuleDict keyed by the block index so that indices (and checkpoint names)
+    survive pipeline splitting and activation-checkpoint wrapping.
+    """
+
+    def __init__(self, args: DeepSeekV3ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        # Non-persistent: derived from args, recomputed by init_weights after to_empty.
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.mtp = (
+            nn.ModuleList(
+                MTPModule(args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args))
+                for k in range(args.mtp_depth)
+            )
+            if args.mtp_depth > 0
+            else None
+        )
+
+    def _precompute_freqs_cis(self, device: torch.device | str | None = None) -> torch.Tensor:
+        a = self.args
+        return precompute_freqs_cis(
+            a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_factor, a.original_seq_len,
+            a.beta_fast, a.beta_slow, device=device,
+        )
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        """tokens: `[B, S]` int64 ids; labels: `[B, S]` next-token ids (only MTP reads them).
+
+        Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
+        """
+        seqlen = tokens.shape[1]
+        if seqlen > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.freqs_cis.shape[0]}")
+        freqs_cis = self.freqs_cis[:seqlen]
+        attn_mask = build_attention_mask(tokens, self.args.attn_mask_type, self.args.eos_id, self.args.attn_backend)
+
+        h = self.embed(tokens)
+        aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for layer in self.layers.values():
+            h, layer_aux = layer(h, freqs_cis, attn_mask)
+            aux_loss = aux_loss + layer_aux
+        h = self.norm(h)
+        logits = self.head(h)
+
+        mtp_logits = []
+        if self.mtp is not None and self.training and labels is not None:
+            for depth, module in enumerate(self.mtp):
+                h, layer_aux = module(h, self.embed(mtp_input_ids(labels, depth)), freqs_cis, attn_mask)
+                aux_loss = aux_loss + layer_aux
+                mtp_logits.append(self.head(h))
+        return ModelOutput(logits, mtp_logits, aux_loss)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise parameters and recompute `freqs_cis` (on `buffer_device`, default: where the
+        buffer lives now). Call after `to_empty`."""
+        device = buffer_device if buffer_device is not None else self.freqs_cis.device
+        self.freqs_cis = self._precompute_freqs_cis(device)
+        head_std = self.args.dim**-0.5
+        if self.args.tie_embeddings:
+            # `to_empty` materialises the two owners of a tied parameter separately: tie again.
+            self.head.weight = self.embed.weight
+            nn.init.normal_(self.embed.weight, mean=0.0, std=head_std)
+        else:
+            nn.init.normal_(self.embed.weight, mean=0.0, std=1.0)
+            nn.init.trunc_normal_(self.head.weight, mean=0.0, std=head_std, a=-3 * head_std, b=3 * head_std)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        if self.mtp is not None:
+            for module in self.mtp:
+                module.init_weights()

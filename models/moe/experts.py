@@ -1,0 +1,115 @@
+"""Routed experts as stacked SwiGLU weights, run with grouped GEMMs or a per-expert loop."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows per expert group are padded to this multiple on CUDA, where the grouped GEMM kernels
+# (bf16 now, fp8 via torchao later) expect aligned group starts; 16 covers both.
+CUDA_GROUP_ALIGN = 16
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` can run on `x`'s device and dtype.
+
+    The CUDA kernels are bf16-only (and so is the meta kernel that torch.compile traces
+    with); the CPU eager kernel also takes fp32, which keeps fp32 unit tests on this path.
+    Everything else (e.g. fp32 on CUDA) uses the per-expert loop.
+    """
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def _align_groups(
+    x: torch.Tensor, num_tokens_per_expert: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Moves each expert's rows to an `align`-multiple start, zero rows in between.
+
+    Static shapes only (no `.tolist()`), so the token dim stays dynamic under compile: the
+    padded buffer holds the worst case of `align - 1` extra rows per expert.
+
+    Returns:
+        padded x [N + E * (align - 1), dim], group end offsets [E] int32 into it, and the
+        destination row of each input row [N] (to gather the outputs back).
+    """
+    num_rows, num_experts = x.shape[0], num_tokens_per_expert.shape[0]
+    counts = num_tokens_per_expert.to(torch.int64)
+    padded_counts = (counts + align - 1) // align * align
+    ends = torch.cumsum(counts, dim=0)
+    padded_ends = torch.cumsum(padded_counts, dim=0)
+    rows = torch.arange(num_rows, device=x.device)
+    expert_of_row = torch.searchsorted(ends, rows, right=True)
+    # Each row moves by the padding accumulated before its expert's group.
+    shift = (padded_ends - padded_counts) - (ends - counts)
+    dest = rows + shift[expert_of_row]
+    padded = x.new_zeros(num_rows + num_experts * (align - 1), x.shape[1]).index_copy(0, dest, x)
+    return padded, padded_ends.to(torch.int32), dest
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU FFNs `w2(silu(w1 x) * w3 x)` with stacked weights.
+
+    Args:
+        dim: model dimension.
+        inter_dim: hidden dimension of each expert.
+        num_experts: experts held by this module (all routed experts, or the local ones
+            under expert parallelism).
+        use_grouped_mm: run `torch._grouped_mm`; False (or an unsupported dtype/device)
+            runs one matmul per expert with identical results.
+    """
+
+    def __init__(self, dim: int, inter_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Applies expert e to its rows.
+
+        Args:
+            x: [N, dim] rows sorted by expert (expert 0's rows first).
+            num_tokens_per_expert: [E] int, rows per expert (zeros allowed), summing to N.
+
+        Returns:
+            [N, dim] in x's dtype.
+        """
+        if self.use_grouped_mm and _grouped_mm_supported(x):
+            align = CUDA_GROUP_ALIGN if x.is_cuda else 1
+            return self._forward_grouped(x, num_tokens_per_expert, align)
+        return self._forward_loop(x, num_tokens_per_expert)
+
+    def _forward_grouped(
+        self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, align: int
+    ) -> torch.Tensor:
+        if align > 1:
+            x_in, offsets, dest = _align_groups(x, num_tokens_per_expert, align)
+        else:
+            x_in = x
+            offsets = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
+        # Rows past offsets[-1] (padding tail) come out uninitialised; they are never read back
+        # and the weight gradients only sum rows inside the groups.
+        h = F.silu(torch._grouped_mm(x_in, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x_in, self.w3.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        return out.index_select(0, dest) if align > 1 else out
+
+    def _forward_loop(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # `.tolist()` syncs with the device and fixes the split sizes in Python: fine eagerly,
+        # a graph break under compile (which is why grouped mm is the default).
+        chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
+        outs = [
+            F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e])
+            for e, chunk in enumerate(chunks)
+        ]
+        return torch.cat(outs, dim=0)
+
+    def init_weights(self, init_std: float) -> None:
+        # Same convention as the dense FeedForward: fixed std for the input projection,
+        # the caller's (depth-scaled) std for the others.
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)

@@ -1,0 +1,618 @@
+"""Job configuration: one dataclass per TOML section, a TOML loader, CLI overrides and --help.
+
+Precedence is CLI > TOML > defaults. Every field carries its `--help` text in
+`metadata["help"]` and, where the value is an enum, its allowed values in
+`metadata["choices"]`. Adding a section is one new `Section` dataclass plus one line in `JobConfig`;
+loading, overriding, validation (types, choices, the section's `problems()`), help and TOML
+export discover it.
+
+Kept free of torch so that `--help` and config errors come back instantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message names the key and the fix."""
+
+
+def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _failed(*checks: tuple[bool, str]) -> list[str]:
+    return [message for ok, message in checks if not ok]
+
+
+@dataclass
+class Section:
+    """Base of every TOML section. Types and choices are checked generically; a section with
+    further constraints overrides problems() to return one message per violation."""
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass
+class Job(Section):
+    config_file: str | None = _field(None, "TOML config file to load (alias: --config)")
+    dump_folder: str = _field("./outputs", "Run folder: logs, metrics JSONL, checkpoints, saved config")
+    description: str = _field("", "Free-text description of the run, recorded in the log")
+    print_config: bool = _field(True, "Print the resolved config at start")
+
+
+@dataclass
+class Model(Section):
+    name: str = _field("deepseek_v3", "Model family")
+    flavor: str = _field("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
+    tokenizer_path: str = _field("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
+    attn_backend: str = _field("sdpa", "Attention kernel", choices=("sdpa", "flex"))
+    attn_mask_type: str = _field(
+        "causal", "causal: one causal mask; block_causal: no attention across packed documents",
+        choices=("causal", "block_causal"),
+    )
+    use_grouped_mm: bool = _field(True, "Compute experts with grouped GEMM instead of a per-expert loop")
+    mtp_depth: int = _field(-1, "Multi-token-prediction depth; -1 = the flavor's, 0 disables MTP")
+    moe_aux_loss_alpha: float = _field(0.0, "Weight of the sequence-wise balance loss; 0 disables it")
+    moe_bias_update_speed: float = _field(0.001, "Aux-loss-free balancing bias step gamma; 0 disables it")
+    mtp_loss_weight: float = _field(0.3, "Weight lambda of the multi-token-prediction loss")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.mtp_depth >= -1, f"model.mtp_depth must be >= 0, or -1 for the flavor's, got {self.mtp_depth}."),
+            (self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}."),
+            (
+                self.moe_aux_loss_alpha >= 0,
+                f"model.moe_aux_loss_alpha must be >= 0 (0 disables), got {self.moe_aux_loss_alpha}.",
+            ),
+            (
+                self.moe_bias_update_speed >= 0,
+                f"model.moe_bias_update_speed must be >= 0 (0 disables), got {self.moe_bias_update_speed}.",
+            ),
+        )
+
+
+@dataclass
+class Training(Section):
+    steps: int = _field(1000, "Number of optimizer steps")
+    seq_len: int = _field(2048, "Tokens per sample")
+    local_batch_size: int = _field(8, "Samples per data-parallel rank per micro-batch")
+    global_batch_size: int = _field(
+        -1, "Samples per optimizer step; -1 = local_batch_size x data-parallel degree (no accumulation)"
+    )
+    dataset: str = _field("shakespeare", "Training dataset name")
+    dataset_path: str | None = _field(None, "Local path or HF hub id of the dataset; none = the dataset's default")
+    seed: int = _field(42, "Random seed for weights and data order")
+    deterministic: bool = _field(False, "Use deterministic algorithms (slower)")
+    compile: bool = _field(False, "Apply torch.compile to the model blocks")
+    mixed_precision_param: str = _field(
+        "bfloat16", "Dtype of parameters in forward/backward (master weights stay fp32)",
+        choices=("bfloat16", "float32"),
+    )
+    max_norm: float = _field(1.0, "Gradient clipping max norm; 0 = no clipping")
+    device: str = _field(
+        "auto", "Device type; auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda")
+    )
+    gc_freq: int = _field(50, "Run Python garbage collection every N steps")
+
+    def problems(self) -> list[str]:
+        gbs, lbs = self.global_batch_size, self.local_batch_size
+        return _failed(
+            *(
+                (getattr(self, key) > 0, f"training.{key} must be a positive integer, got {getattr(self, key)}.")
+                for key in ("steps", "seq_len", "local_batch_size", "gc_freq")
+            ),
+            (
+                gbs == -1 or (gbs > 0 and lbs > 0 and gbs % lbs == 0),
+                f"training.global_batch_size must be -1 or a positive multiple of "
+                f"training.local_batch_size ({lbs}), got {gbs}.",
+            ),
+            (self.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {self.max_norm}."),
+        )
+
+
+@dataclass
+class Optimizer(Section):
+    name: str = _field("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    lr: float = _field(8e-4, "Peak learning rate")
+    beta1: float = _field(0.9, "Adam beta1")
+    beta2: float = _field(0.95, "Adam beta2")
+    eps: float = _field(1e-8, "Adam epsilon")
+    weight_decay: float = _field(0.1, "Decoupled weight decay (not applied to norms, biases and embeddings)")
+    implementation: str = _field(
+        "auto", "Optimizer kernel; auto = fused on GPU, foreach otherwise",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}."),
+            (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}."),
+            (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}."),
+            (self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}."),
+            (self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}."),
+        )
+
+
+@dataclass
+class LRScheduler(Section):
+    warmup_steps: int = _field(200, "Linear warmup steps")
+    decay_ratio: float | None = _field(
+        None, "Fraction of steps spent decaying at the end (WSD); none = decay over all steps after warmup"
+    )
+    decay_type: str = _field("linear", "Shape of the decay", choices=("linear", "cosine", "sqrt"))
+    min_lr_factor: float = _field(0.0, "Final learning rate as a fraction of the peak")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}."),
+            (
+                self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
+                f"lr_scheduler.decay_ratio must be in [0, 1] (or none to decay after warmup), "
+                f"got {self.decay_ratio}.",
+            ),
+            (
+                0 <= self.min_lr_factor <= 1,
+                f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}.",
+            ),
+        )
+
+
+@dataclass
+class Metrics(Section):
+    log_freq: int = _field(10, "Log metrics every N steps")
+    enable_wandb: bool = _field(False, "Also log to Weights & Biases")
+    wandb_project: str = _field("dsv3-trainer", "Weights & Biases project")
+    wandb_mode: str = _field("offline", "Weights & Biases mode", choices=("offline", "online", "disabled"))
+    peak_flops: float = _field(0.0, "Per-device peak FLOP/s for MFU; 0 = look up the device")
+    jsonl_file: str = _field("metrics.jsonl", "Metrics JSONL file name inside the run folder")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.log_freq >= 1, f"metrics.log_freq must be >= 1, got {self.log_freq}."),
+            (
+                self.peak_flops >= 0,
+                f"metrics.peak_flops must be >= 0 (0 = look up the device), got {self.peak_flops}.",
+            ),
+        )
+
+
+@dataclass
+class Validation(Section):
+    enable: bool = _field(True, "Run validation during training")
+    freq: int = _field(50, "Validate every N steps")
+    steps: int = _field(10, "Batches per validation")
+    dataset: str | None = _field(None, "Validation dataset; none = held-out split of the training dataset")
+    dataset_path: str | None = _field(None, "Local path or HF hub id of the validation dataset")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.freq >= 1, f"validation.freq must be >= 1, got {self.freq}."),
+            (self.steps >= 1, f"validation.steps must be >= 1, got {self.steps}."),
+        )
+
+
+@dataclass
+class Checkpoint(Section):
+    enable: bool = _field(False, "Save checkpoints and resume from the latest one")
+    folder: str = _field("checkpoint", "Checkpoint folder, relative to the run folder")
+    interval: int = _field(500, "Save every N steps")
+    keep_latest_k: int = _field(3, "Keep only the newest K checkpoints; 0 = keep all")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (self.interval >= 1, f"checkpoint.interval must be >= 1, got {self.interval}."),
+            (
+                self.keep_latest_k >= 0,
+                f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}.",
+            ),
+        )
+
+
+@dataclass
+class Parallelism(Section):
+    dp_replicate: int = _field(1, "Data-parallel replicas (HSDP replicate dim)")
+    dp_shard: int = _field(-1, "FSDP shard degree; -1 = infer from the world size")
+    tp: int = _field(1, "Tensor-parallel degree")
+    cp: int = _field(1, "Context-parallel degree")
+    ep: int = _field(1, "Expert-parallel degree (borrows ranks from dp_shard x cp)")
+    ep_as_cp: bool = _field(False, "Shard the sequence over the expert dim outside the MoE exchange")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            *(
+                (getattr(self, key) >= 1, f"parallelism.{key} must be >= 1, got {getattr(self, key)}.")
+                for key in ("dp_replicate", "tp", "cp", "ep")
+            ),
+            (
+                self.dp_shard == -1 or self.dp_shard >= 1,
+                f"parallelism.dp_shard must be >= 1, or -1 to infer it, got {self.dp_shard}.",
+            ),
+            (
+                not self.ep_as_cp or self.ep > 1,
+                f"parallelism.ep_as_cp needs parallelism.ep > 1 (got ep={self.ep}); "
+                f"set --parallelism.ep or drop --parallelism.ep_as_cp.",
+            ),
+        )
+
+
+@dataclass
+class ActivationCheckpoint(Section):
+    mode: str = _field("none", "Activation checkpointing", choices=("none", "full", "selective", "op"))
+    selective_every: int = _field(2, "In selective mode, checkpoint every N-th block")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (
+                self.selective_every >= 1,
+                f"activation_checkpoint.selective_every must be >= 1, got {self.selective_every}.",
+            ),
+        )
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> JobConfig:
+        """Defaults overlaid with `data` ({section: {key: value}}, as TOML parses); not validated."""
+        sections = _sections(cls)
+        cfg = cls()
+        for section, table in data.items():
+            if not isinstance(table, dict) and section not in sections:
+                nearest = _nearest_key(section, sections)
+                hint = f"; did you mean {nearest}?" if nearest else "."
+                raise ConfigError(
+                    f"{source}: key '{section}' is outside any [section]{hint} "
+                    f"Valid sections: {', '.join(sections)}."
+                )
+            if section not in sections:
+                raise ConfigError(
+                    f"{source}: unknown section [{section}]{_did_you_mean(section, list(sections), '[{}]')} "
+                    f"Valid sections: {', '.join(sections)}."
+                )
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{source}: '{section}' must be a [{section}] table of key = value pairs, "
+                    f"got {type(table).__name__} {table!r}."
+                )
+            options = _options(sections[section])
+            target = getattr(cfg, section)
+            for key, value in table.items():
+                if key not in options:
+                    raise ConfigError(
+                        f"{source}: unknown key {section}.{key}"
+                        f"{_did_you_mean(key, list(options), section + '.{}')} "
+                        f"Valid keys in [{section}]: {', '.join(options)}."
+                    )
+                f, tp = options[key]
+                try:
+                    converted = _from_toml(value, tp)
+                except ValueError:
+                    raise ConfigError(
+                        f"{source}: {section}.{key} must be {_type_name(tp)}{_choices_hint(f)}, "
+                        f"got {type(value).__name__} {value!r}."
+                    ) from None
+                setattr(target, key, converted)
+        return cfg
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        # TOML has no null; every None-able field defaults to None, so omitting it round-trips.
+        return tomli_w.dumps(
+            {s: {k: v for k, v in table.items() if v is not None} for s, table in self.to_dict().items()}
+        )
+
+    def save_toml(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_toml(), encoding="utf-8")
+
+    def validate(self) -> None:
+        """Raise one ConfigError listing every invalid value or combination."""
+        problems = _choice_problems(self)
+        for section in _sections(type(self)):
+            problems += getattr(self, section).problems()
+        if problems:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def load_config(argv: list[str] | None = None, config_cls: type[JobConfig] = JobConfig) -> JobConfig:
+    """Defaults, then the TOML named by --job.config_file/--config, then the other CLI options."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(format_help(config_cls))
+        raise SystemExit(0)
+    overrides = _parse_cli(argv, config_cls)
+    config_file = None
+    for section, key, value in overrides:
+        if (section, key) == ("job", "config_file"):
+            config_file = value
+    cfg = config_cls.from_dict(_read_toml(config_file), source=config_file) if config_file else config_cls()
+    for section, key, value in overrides:
+        setattr(getattr(cfg, section), key, value)
+    cfg.validate()
+    return cfg
+
+
+def format_help(config_cls: type[JobConfig] = JobConfig) -> str:
+    lines = [
+        "usage: python -m trainer.train [--config FILE.toml] [--section.key VALUE | --section.key=VALUE ...]",
+        "",
+        "Precedence: command line > TOML file > defaults. Booleans: --x.y, --x.y=false, --no-x.y.",
+        "Lists are comma-separated; options that accept none take none or null.",
+    ]
+    for section, section_cls in _sections(config_cls).items():
+        lines += ["", f"[{section}]"]
+        for key, (f, tp) in _options(section_cls).items():
+            option = f"--{section}.{key}"
+            if _base_type(tp) is bool:
+                option += f", --no-{section}.{key}"
+            kind = "{" + ",".join(f.metadata["choices"]) + "}" if "choices" in f.metadata else _type_name(tp)
+            lines.append(f"  {option}  {kind}  (default: {_cli_repr(_default(f))})")
+            lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NONE = ("none", "null")
+
+
+def _sections(config_cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(config_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(config_cls)}
+
+
+def _options(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"config field type {tp} is not supported: only X | None unions are")
+        return args[0], True
+    return tp, False
+
+
+def _base_type(tp: Any) -> Any:
+    return _split_optional(tp)[0]
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _split_optional(tp)
+    if typing.get_origin(base) is list:
+        name = f"list[{typing.get_args(base)[0].__name__}]"
+    else:
+        name = base.__name__
+    return f"{name} or none" if optional else name
+
+
+def _scalar_from_toml(value: Any, tp: type) -> Any:
+    # bool is a subclass of int in Python but never a number in a config file.
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, str):
+        return value
+    if tp not in (bool, int, float, str):
+        raise TypeError(f"config field type {tp} is not supported")
+    raise ValueError(value)
+
+
+def _from_toml(value: Any, tp: Any) -> Any:
+    base, optional = _split_optional(tp)
+    # TOML itself never yields None, but to_dict() output does.
+    if optional and value is None:
+        return None
+    if typing.get_origin(base) is list:
+        if not isinstance(value, list):
+            raise ValueError(value)
+        (elem,) = typing.get_args(base)
+        return [_scalar_from_toml(v, elem) for v in value]
+    return _scalar_from_toml(value, base)
+
+
+def _scalar_from_cli(raw: str, tp: type) -> Any:
+    if tp is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(raw)
+    if tp in (int, float):
+        return tp(raw)
+    if tp is str:
+        return raw
+    raise TypeError(f"config field type {tp} is not supported")
+
+
+def _from_cli(raw: str, tp: Any) -> Any:
+    base, optional = _split_optional(tp)
+    if optional and raw.strip().lower() in _NONE:
+        return None
+    if typing.get_origin(base) is list:
+        (elem,) = typing.get_args(base)
+        return [_scalar_from_cli(item.strip(), elem) for item in raw.split(",")] if raw.strip() else []
+    return _scalar_from_cli(raw, base)
+
+
+def _parse_cli(argv: list[str], config_cls: type[JobConfig]) -> list[tuple[str, str, Any]]:
+    """Turn argv into converted (section, key, value) overrides, in command-line order."""
+    sections = _sections(config_cls)
+    overrides = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {token!r}: options look like --section.key VALUE (see --help)."
+            )
+        name, has_inline, inline = token[2:].partition("=")
+        negated = name.startswith("no-")
+        if negated:
+            name = name[3:]
+        if name == "config":
+            name = "job.config_file"
+        section, _, key = name.partition(".")
+        if section not in sections or key not in _options(sections[section]):
+            raise ConfigError(_unknown_option(token.partition("=")[0], name, sections))
+        f, tp = _options(sections[section])[key]
+        option = f"--{section}.{key}"
+        is_bool = _base_type(tp) is bool
+        if negated:
+            if not is_bool:
+                raise ConfigError(
+                    f"--no-{name}: only boolean options can be negated; {option} is {_type_name(tp)}, "
+                    f"pass {option} VALUE instead."
+                )
+            if has_inline:
+                raise ConfigError(f"--no-{name} takes no value; use {option}={inline} or --no-{name} alone.")
+            overrides.append((section, key, False))
+            continue
+        if has_inline:
+            raw = inline
+        elif is_bool:
+            # A bare flag means true; a following boolean word is taken as its value.
+            if i < len(argv) and argv[i].lower() in _TRUE + _FALSE:
+                raw = argv[i]
+                i += 1
+            else:
+                raw = "true"
+        elif i >= len(argv) or argv[i].startswith("--"):
+            raise ConfigError(
+                f"{option} needs a value ({_type_name(tp)}{_choices_hint(f)}) but none was given; "
+                f"use {option} VALUE or {option}=VALUE."
+            )
+        else:
+            raw = argv[i]
+            i += 1
+        try:
+            value = _from_cli(raw, tp)
+        except ValueError:
+            raise ConfigError(f"{option} must be {_type_name(tp)}{_choices_hint(f)}, got {raw!r}.") from None
+        overrides.append((section, key, value))
+    return overrides
+
+
+def _nearest_key(name: str, sections: dict[str, type]) -> str | None:
+    """The valid `section.key` closest to `name`, which may lack or misspell its section."""
+    full_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _options(cls)]
+    nearest = difflib.get_close_matches(name, full_keys, n=1, cutoff=0.6)
+    if nearest:
+        return nearest[0]
+    by_key: dict[str, str] = {}
+    for full in full_keys:
+        by_key.setdefault(full.partition(".")[2], full)
+    close = difflib.get_close_matches(name.rpartition(".")[2], list(by_key), n=1, cutoff=0.6)
+    return by_key[close[0]] if close else None
+
+
+def _unknown_option(typed: str, name: str, sections: dict[str, type]) -> str:
+    nearest = _nearest_key(name, sections)
+    hint = f"; did you mean --{nearest}?" if nearest else "."
+    section, _, key = name.partition(".")
+    if section in sections:
+        valid = f"Valid keys in [{section}]: {', '.join(_options(sections[section]))}."
+    else:
+        valid = f"Valid sections: {', '.join(sections)}."
+    return f"unknown option {typed}{hint} {valid} Run with --help to list every option."
+
+
+def _did_you_mean(word: str, candidates: list[str], template: str) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {template.format(close[0])}?" if close else "."
+
+
+def _choices_hint(f: dataclasses.Field) -> str:
+    return f", one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
+
+
+def _choice_problems(cfg: JobConfig) -> list[str]:
+    problems = []
+    for section, section_cls in _sections(type(cfg)).items():
+        for key, (f, _) in _options(section_cls).items():
+            choices = f.metadata.get("choices")
+            value = getattr(getattr(cfg, section), key)
+            if choices is None or value is None or value in choices:
+                continue
+            close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            problems.append(
+                f"{section}.{key} = {value!r} is not allowed; choose one of {', '.join(choices)}{hint}"
+            )
+    return problems
+
+
+def _cli_repr(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or '""'
+    return str(value) if value != "" else '""'
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path} (given by --job.config_file/--config).") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}.") from None
+    except tomllib.TOMLDecodeError as e:
+        # The decoder's message carries "(at line L, column C)".
+        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
+
+
+if __name__ == "__main__":
+    try:
+        print(load_config().to_toml(), end="")
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None

@@ -1,0 +1,157 @@
+"""Per-step metrics: console line, JSONL file in the run folder, and wandb.
+
+MFU convention (stated wherever MFU is printed): model FLOPs per token come from
+``models.deepseek_v3.flops_per_token`` = 6 x active non-embedding parameters + the
+attention term 6 x n_layers x n_heads x (qk_head_dim + v_head_dim) x seq_len, without
+halving for the causal mask (the torchtitan convention). MFU = achieved model FLOP/s
+divided by the device's dense bf16 peak (or ``[metrics] peak_flops``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("trainer")
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), matched by
+# substring of torch.cuda.get_device_name(); first match wins, so longer names go first.
+_PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("GB200", 2500e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("MI300X", 1307e12),
+)
+
+
+def peak_flops_for(device: torch.device, override: float = 0.0) -> float | None:
+    """Per-device peak FLOP/s used for MFU; None when unknown (MFU is then not reported)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    logger.warning("unknown GPU %r: set [metrics] peak_flops to report MFU", name)
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA max reserved memory, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, the JSONL file and wandb.
+
+    Only the rank chosen for logging writes; the others hold a disabled logger so
+    call sites need no rank checks.
+    """
+
+    def __init__(self, metrics_cfg, run_dir: Path, job_config_dict: dict, total_steps: int, enabled: bool = True):
+        self.cfg = metrics_cfg
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self._jsonl = None
+        self._wandb_run = None
+        self._start = time.perf_counter()
+        if not enabled:
+            return
+        self._jsonl = open(run_dir / metrics_cfg.jsonl_file, "a", encoding="utf-8")
+        if metrics_cfg.enable_wandb and metrics_cfg.wandb_mode != "disabled":
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=metrics_cfg.wandb_project,
+                dir=str(run_dir),
+                mode=metrics_cfg.wandb_mode,
+                config=job_config_dict,
+            )
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {k: v for k, v in record.items() if v is not None}
+        record["elapsed_s"] = round(time.perf_counter() - self._start, 3)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        logger.info(self.format_line(record))
+
+    def format_line(self, r: dict) -> str:
+        step = r["step"]
+        width = len(str(self.total_steps))
+        parts = [f"step {step:>{width}}/{self.total_steps} [{100 * step / self.total_steps:5.1f}%]"]
+        if "loss" in r:
+            parts.append(f"loss {r['loss']:.4f}")
+        if "val_loss" in r:
+            parts.append(f"val_loss {r['val_loss']:.4f}")
+        if "grad_norm" in r:
+            parts.append(f"gnorm {r['grad_norm']:.3f}")
+        if "lr" in r:
+            parts.append(f"lr {r['lr']:.2e}")
+        if "tokens_per_sec" in r:
+            parts.append(f"tok/s {r['tokens_per_sec']:,.0f}")
+        if "tflops" in r:
+            parts.append(f"TFLOP/s {r['tflops']:.2f}")
+        if "mfu_pct" in r:
+            parts.append(f"MFU {r['mfu_pct']:.1f}%")
+        if "memory_gib" in r:
+            parts.append(f"mem {r['memory_gib']:.2f}GiB")
+        if "moe_imbalance" in r:
+            parts.append(f"moe max/mean {r['moe_imbalance']:.2f}")
+        if "data_wait_pct" in r:
+            parts.append(f"data {r['data_wait_pct']:.1f}%")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+def throughput_record(
+    *,
+    tokens: int,
+    seconds: float,
+    flops_per_token: float,
+    peak_flops: float | None,
+) -> dict:
+    """tokens/s per device, achieved model TFLOP/s, and MFU when the peak is known."""
+    tps = tokens / max(seconds, 1e-9)
+    achieved = tps * flops_per_token
+    record = {"tokens_per_sec": tps, "tflops": achieved / 1e12}
+    if peak_flops:
+        record["mfu_pct"] = 100.0 * achieved / peak_flops
+    return record

@@ -1,0 +1,82 @@
+"""Process-level setup shared by the trainer, benchmarks and scripts: device choice,
+seeding and determinism, repository-relative paths, and the facts the run log records."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import random
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A user path as given if it exists relative to the working directory, else relative
+    to the repository root, so the bundled defaults (assets/...) work from any directory."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    candidate = REPO_ROOT / p
+    return candidate if candidate.exists() else p
+
+
+def select_device(requested: str, local_rank: int = 0) -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "training.device = 'cuda' but no CUDA device is visible; use --training.device cpu "
+                "(or auto) to train on the CPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_seed_and_determinism(seed: int, deterministic: bool) -> None:
+    """Seeds every generator the trainer touches; ``deterministic`` also forbids
+    non-deterministic kernels, so two runs give bit-identical losses."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be reproducible; it must be set before the
+        # first cuBLAS call, which is why this runs before the model is built.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def versions() -> dict[str, str]:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    # Read from package metadata: importing torchao or transformers just to print a
+    # version costs seconds and fills the log with their import-time warnings.
+    for name in ("torchao", "tiktoken", "datasets", "transformers"):
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if torch.version.cuda:
+        info["cuda"] = torch.version.cuda
+    return info
