@@ -94,6 +94,40 @@ class Model(Section):
 
 
 @dataclass
+class Engram(Section):
+    enable: bool = _field(False, "Add Engram conditional memory (hashed n-gram tables) to the model")
+    layer_ids: list[int] = _field([1], "Blocks that get an Engram module: 0-based block indices, ascending")
+    max_ngram: int = _field(3, "N: hash suffix n-grams of orders 2..N (also the short conv's dilation)")
+    heads_per_order: int = _field(8, "K: hash heads per n-gram order")
+    base_size: int = _field(262144, "Rows per hash head before rounding up to a prime (Engram-27B: 2262400)")
+    head_dim: int = _field(80, "D_h: width of one head's row; memory width = (N-1) x K x D_h")
+    seed: int = _field(0, "Seed of the hash multipliers (identical on every rank)")
+    lr_multiplier: float = _field(5.0, "Table learning rate = optimizer.lr x this")
+    weight_decay: float = _field(0.0, "Weight decay of the tables")
+    embedding_parallel_degree: int = _field(1, "Ranks the table rows are split over; 1 = unsharded")
+    mesh_name: str = _field("engram", "Named device mesh the table rows are split over")
+    precompute: bool = _field(True, "Exchange the lookups of all Engram layers together, once per step")
+    offload_optimizer_state: bool = _field(False, "Keep the tables' Adam state in CPU memory and update there")
+
+    def problems(self) -> list[str]:
+        ids = self.layer_ids
+        return _failed(
+            (
+                not self.enable or (bool(ids) and ids == sorted(set(ids)) and min(ids) >= 0),
+                f"engram.layer_ids must be distinct, ascending, 0-based block indices, got {ids}.",
+            ),
+            (self.max_ngram >= 2, f"engram.max_ngram must be >= 2, got {self.max_ngram}."),
+            *(
+                (getattr(self, key) >= 1, f"engram.{key} must be >= 1, got {getattr(self, key)}.")
+                for key in ("heads_per_order", "head_dim", "embedding_parallel_degree")
+            ),
+            (self.base_size >= 2, f"engram.base_size must be >= 2, got {self.base_size}."),
+            (self.lr_multiplier > 0, f"engram.lr_multiplier must be > 0, got {self.lr_multiplier}."),
+            (self.weight_decay >= 0, f"engram.weight_decay must be >= 0, got {self.weight_decay}."),
+        )
+
+
+@dataclass
 class Training(Section):
     steps: int = _field(1000, "Number of optimizer steps")
     seq_len: int = _field(2048, "Tokens per sample")
@@ -115,6 +149,11 @@ class Training(Section):
         "auto", "Device type; auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda")
     )
     gc_freq: int = _field(50, "Run Python garbage collection every N steps")
+    time_limit_minutes: float = _field(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")
+    max_skipped_steps: int = _field(
+        10, "Stop when this many consecutive steps had a non-finite loss or grad norm (each is skipped)"
+    )
+    debug_inject_nan_step: int = _field(-1, "Debug: multiply the loss by NaN at this step; -1 = never")
 
     def problems(self) -> list[str]:
         gbs, lbs = self.global_batch_size, self.local_batch_size
@@ -129,6 +168,15 @@ class Training(Section):
                 f"training.local_batch_size ({lbs}), got {gbs}.",
             ),
             (self.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {self.max_norm}."),
+            (
+                self.time_limit_minutes >= 0,
+                f"training.time_limit_minutes must be >= 0 (0 = no limit), got {self.time_limit_minutes}.",
+            ),
+            (
+                self.max_skipped_steps >= 1,
+                f"training.max_skipped_steps must be >= 1 (1 stops at the first non-finite step), "
+                f"got {self.max_skipped_steps}.",
+            ),
         )
 
 
@@ -219,10 +267,27 @@ class Checkpoint(Section):
     folder: str = _field("checkpoint", "Checkpoint folder, relative to the run folder")
     interval: int = _field(500, "Save every N steps")
     keep_latest_k: int = _field(3, "Keep only the newest K checkpoints; 0 = keep all")
+    async_mode: str = _field(
+        "disabled", "async: write checkpoints in a background thread while training goes on",
+        choices=("disabled", "async"),
+    )
+    load_step: int = _field(-1, "Step to resume from; -1 = the newest complete checkpoint")
+    last_save_model_only: bool = _field(False, "Make the final save model weights only, in export_dtype")
+    export_dtype: str = _field(
+        "bfloat16", "Weight dtype of the model-only final save", choices=("float32", "bfloat16", "float16")
+    )
+    initial_load_path: str | None = _field(
+        None, "Weights to start from when there is no checkpoint to resume: a DCP checkpoint or HF folder"
+    )
+    initial_load_format: str = _field("dcp", "Format of initial_load_path", choices=("dcp", "hf"))
 
     def problems(self) -> list[str]:
         return _failed(
             (self.interval >= 1, f"checkpoint.interval must be >= 1, got {self.interval}."),
+            (
+                self.load_step == -1 or self.load_step >= 1,
+                f"checkpoint.load_step must be -1 (newest) or a step >= 1, got {self.load_step}.",
+            ),
             (
                 self.keep_latest_k >= 0,
                 f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}.",
@@ -238,6 +303,14 @@ class Parallelism(Section):
     cp: int = _field(1, "Context-parallel degree")
     ep: int = _field(1, "Expert-parallel degree (borrows ranks from dp_shard x cp)")
     ep_as_cp: bool = _field(False, "Shard the sequence over the expert dim outside the MoE exchange")
+    fsdp_reshard_after_forward: str = _field(
+        "default",
+        "Free gathered FSDP params after forward: default = all but the root unit",
+        choices=("default", "always", "never"),
+    )
+    expert_parallel_comm_backend: str = _field(
+        "all_to_all", "Token exchange of expert parallelism", choices=("all_to_all", "deepep")
+    )
 
     def problems(self) -> list[str]:
         return _failed(
@@ -275,6 +348,7 @@ class ActivationCheckpoint(Section):
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    engram: Engram = field(default_factory=Engram)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

@@ -6,8 +6,11 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from models.engram import engram_table_params
 from models.moe import moe_modules, update_expert_bias
+from trainer.parallel.engram_parallel import offload_engram_group
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -25,32 +28,49 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
     return {}
 
 
-def build_optimizer(model: nn.Module, opt_cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.Optimizer:
     """AdamW/Adam from the ``[optimizer]`` section.
 
     Matrices and embeddings decay; 1-D parameters (norm scales) do not, as in Megatron
     and nanoGPT: decaying a norm scale towards zero only fights the next layer.
+    Engram tables (``[engram]`` section) get their own group, tagged ``"engram": True``:
+    LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam).
     """
+    tables = engram_table_params(model) if engram_cfg is not None and engram_cfg.enable else []
+    table_ids = {id(p) for p in tables}
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in table_ids:
             (decay if p.ndim >= 2 else no_decay).append(p)
+    # Plain tensors and DTensors cannot share one fused / foreach kernel call (TP without FSDP
+    # keeps the MoE router and routed experts plain): one group per kind, empty ones dropped.
     groups = [
-        {"params": decay, "weight_decay": opt_cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if isinstance(p, DTensor) == is_dtensor], "weight_decay": wd}
+        for params, wd in ((decay, opt_cfg.weight_decay), (no_decay, 0.0))
+        for is_dtensor in (False, True)
     ]
+    groups = [g for g in groups if g["params"]]
+    if tables:
+        groups.append(
+            {"params": tables, "lr": opt_cfg.lr * engram_cfg.lr_multiplier,
+             "weight_decay": engram_cfg.weight_decay, "engram": True}
+        )
     kwargs = dict(
         lr=opt_cfg.lr,
         betas=(opt_cfg.beta1, opt_cfg.beta2),
         eps=opt_cfg.eps,
-        **_implementation_kwargs(opt_cfg.implementation, decay + no_decay),
+        **_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables),
     )
     if opt_cfg.name == "AdamW":
-        return torch.optim.AdamW(groups, **kwargs)
-    if opt_cfg.name == "Adam":
+        optimizer = torch.optim.AdamW(groups, **kwargs)
+    elif opt_cfg.name == "Adam":
         # Adam's weight_decay is L2 added to the gradient, not decoupled.
-        return torch.optim.Adam(groups, **kwargs)
-    raise ValueError(f"optimizer.name must be AdamW or Adam, got {opt_cfg.name!r}")
+        optimizer = torch.optim.Adam(groups, **kwargs)
+    else:
+        raise ValueError(f"optimizer.name must be AdamW or Adam, got {opt_cfg.name!r}")
+    if tables and engram_cfg.offload_optimizer_state:
+        offload_engram_group(optimizer)
+    return optimizer
 
 
 class ExpertBiasUpdater:

@@ -27,9 +27,13 @@ from models.deepseek_v3 import (
     get_flavor,
     mtp_loss,
 )
+from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
+from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader, build_tokenizer
+from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
+from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.metrics import (
     MetricsLogger,
@@ -39,6 +43,24 @@ from trainer.metrics import (
     throughput_record,
 )
 from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.parallel.distributed import (
+    destroy_distributed,
+    init_distributed,
+    all_reduce_sum,
+    is_rank0,
+    local_rank_from_env,
+)
+from trainer.parallel.expert_parallel import init_expert_weights
+from trainer.parallel.fsdp import clip_grad_norm_
+from trainer.parallel.context_parallel import ContextParallel
+from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
+from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
+from trainer.parallel.parallelize import (
+    build_reduce_counts,
+    gradient_shard_groups,
+    load_full_state_dict,
+    parallelize_model,
+)
 from trainer.runtime import git_revision, resolve_path, select_device, set_seed_and_determinism, versions
 from trainer.validate import Validator
 
@@ -47,25 +69,25 @@ logger = logging.getLogger("trainer")
 MODEL_NAMES = ("deepseek_v3",)
 
 
-def check_unavailable_features(cfg: JobConfig, world_size: int) -> None:
-    """Options that parse but whose implementation has not landed yet fail up front."""
+def check_unavailable_features(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Validates the parallel layout against the world size (before any process-group work)
+    and fails up front on options that parse but whose implementation has not landed yet."""
     p = cfg.parallelism
-    degrees = {"dp_replicate": p.dp_replicate, "tp": p.tp, "cp": p.cp, "ep": p.ep}
-    if p.dp_shard not in (-1, 1):
-        degrees["dp_shard"] = p.dp_shard
-    wanted = {k: v for k, v in degrees.items() if v != 1}
-    if wanted or p.ep_as_cp or world_size > 1:
+    try:
+        dims = ParallelDims.from_config(p, world_size)
+    except ParallelDimsError as e:
+        raise ConfigError(f"[parallelism] {e}") from None
+    if (dims.tp_enabled or dims.context_enabled) and cfg.validation.enable:
         raise ConfigError(
-            f"multi-process parallelism is not available yet (asked for {wanted or {}}, "
-            f"ep_as_cp={p.ep_as_cp}, WORLD_SIZE={world_size}); run on one process (NGPU=1) with "
-            "the [parallelism] degrees at 1"
+            f"validation does not run under tensor / context parallelism yet (tp={p.tp}, cp={p.cp}, "
+            f"ep_as_cp={p.ep_as_cp}); use --no-validation.enable"
         )
-    if cfg.checkpoint.enable:
-        raise ConfigError("[checkpoint] enable = true is not available yet; use --no-checkpoint.enable")
-    if cfg.activation_checkpoint.mode != "none":
+    if p.expert_parallel_comm_backend != "all_to_all" and dims.ep_enabled:
         raise ConfigError(
-            f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r} is not available yet; use 'none'"
+            f"parallelism.expert_parallel_comm_backend = {p.expert_parallel_comm_backend!r} is not available yet; "
+            "use 'all_to_all'"
         )
+    return dims
 
 
 def resolve_flavor(cfg: JobConfig) -> DeepSeekV3ModelArgs:
@@ -87,6 +109,7 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
         seq_aux_loss_alpha=m.moe_aux_loss_alpha,
         load_balance_coeff=m.moe_bias_update_speed if m.moe_bias_update_speed > 0 else None,
     )
+    engram = build_engram_args(cfg) if cfg.engram.enable else None
     try:
         return dataclasses.replace(
             args,
@@ -97,9 +120,28 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
             attn_backend=m.attn_backend,
             attn_mask_type=m.attn_mask_type,
             mtp_depth=args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth,
+            engram=engram,
         )
     except ValueError as e:
         raise ConfigError(f"[model] options do not fit flavor {cfg.model.flavor!r}: {e}") from None
+
+
+def build_engram_args(cfg: JobConfig) -> EngramArgs:
+    e = cfg.engram
+    if e.embedding_parallel_degree > 1:
+        raise ConfigError(
+            f"engram.embedding_parallel_degree = {e.embedding_parallel_degree}: the sharded table "
+            "(trainer/parallel/engram_parallel.py) is not wired into the trainer yet; use 1"
+        )
+    if e.offload_optimizer_state and cfg.checkpoint.enable:
+        raise ConfigError(
+            "engram.offload_optimizer_state = true with checkpoint.enable = true: checkpoints do not hold "
+            "the CPU-resident table optimizer state yet; use --no-engram.offload_optimizer_state"
+        )
+    return EngramArgs(
+        layer_ids=tuple(e.layer_ids), max_ngram=e.max_ngram, heads_per_order=e.heads_per_order,
+        base_size=e.base_size, head_dim=e.head_dim, seed=e.seed,
+    )
 
 
 class Trainer:
@@ -107,15 +149,20 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        check_unavailable_features(cfg, world_size)
+        self.parallel_dims = check_unavailable_features(cfg, world_size)
         resolve_flavor(cfg)  # a typo in the flavor fails before the run folder exists
-        self.dp_rank, self.dp_world = 0, 1
 
         self.run_dir = Path(cfg.job.dump_folder)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _setup_logging(self.run_dir / "train.log")
 
-        self.device = select_device(t.device)
+        self.device = select_device(t.device, local_rank_from_env())
+        init_distributed(self.device)
+        if not is_rank0():
+            logging.getLogger("trainer").setLevel(logging.WARNING)
+        self.parallel_dims.build_meshes(self.device.type)
+        self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
+        self.loss_mesh = self.parallel_dims.mesh_or_none("loss")
         if cfg.model.attn_backend == "flex" and self.device.type != "cuda":
             raise ConfigError(
                 "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
@@ -138,17 +185,52 @@ class Trainer:
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
+        parallelize_model(model, self.parallel_dims, cfg, self.device.type)
         model.to_empty(device=self.device)
         # Seed again so the weights do not depend on what ran before the build.
         torch.manual_seed(t.seed)
         model.init_weights()
+        if world_size > 1 and self.device.type == "cpu":
+            # CPU runs are small: draw the single-process weights and copy in each rank's part,
+            # so any layout starts exactly where one process would (sharded CPU random init
+            # repeats values across shards).
+            with torch.device("meta"):
+                full = DeepSeekV3Model(self.model_args)
+            full.to_empty(device="cpu")
+            torch.manual_seed(t.seed)
+            full.init_weights()
+            load_full_state_dict(model, full.state_dict())
+            del full
+        elif self.parallel_dims.ep_enabled:
+            init_expert_weights(model, t.seed)  # distinct values for every global expert
         model.train()
+        if self.model_args.engram is not None:
+            # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
+            tok = self.tokenizer
+            compression = build_token_compression(lambda i: tok.decode([i]), tok.vocab_size, tok.pad_id)
+            model.engram_hasher = NgramHasher(self.model_args.engram, compression).to(self.device)
+            table_stats = engram_metrics(model)
+            logger.info(
+                "engram: layers %s, %d compressed ids (of %d), %d table rows = %.1f MiB on this rank",
+                list(self.model_args.engram.layer_ids), compression.num_compressed, tok.vocab_size,
+                table_stats["engram/table_rows_per_rank"], table_stats["engram/table_bytes_per_rank"] / 2**20,
+            )
         self.model = model
 
         self.autocast_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        # [training] compile: parallelize_model compiled every block before to_empty, which is
+        # fine because compilation is lazy (traced at the first step, on the real weights); the
+        # loss gets its compiled twin here (docs/compile.md).
+        # Under TP the logits are vocab-sharded DTensors (loss_parallel): no compiled loss there.
+        self.loss_fn = compiled_cross_entropy_sum() if t.compile and not self.parallel_dims.tp_enabled else cross_entropy_sum
+        self.context_parallel = (
+            ContextParallel.for_model(self.parallel_dims.mesh("context"), self.model_args)
+            if self.parallel_dims.context_enabled
+            else None
+        )
+        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.bias_updater = ExpertBiasUpdater(model)
+        self.bias_updater = ExpertBiasUpdater(model, build_reduce_counts(self.parallel_dims))
         self.bias_updater.register(self.optimizer)
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
@@ -170,9 +252,19 @@ class Trainer:
         self.n_params, self.n_active = total, active
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops_for(self.device, cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, self.run_dir, cfg.to_dict(), t.steps)
+        self.metrics = MetricsLogger(cfg.metrics, self.run_dir, cfg.to_dict(), t.steps, enabled=is_rank0())
         self.step = 0
         self._log_run_header(tokenizer_path, global_batch)
+        self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
+            device=self.device,
+        )
+        resumed = self.checkpointer.load()
+        if resumed is not None:
+            self.step = int(resumed["step"])
+            self.nonfinite.load_state_dict(resumed)
 
     def _build_validator(self) -> Validator:
         v, t = self.cfg.validation, self.cfg.training
@@ -196,7 +288,20 @@ class Trainer:
                 infinite=False,
             )
 
-        return Validator(build_loader, v.steps, self.device, self.autocast)
+        return Validator(build_loader, v.steps, self.device, self.autocast, self._validation_all_reduce())
+
+    def _validation_all_reduce(self):
+        """Sum / min over the "loss" mesh for the validator (None on one rank)."""
+        if self.loss_mesh is None:
+            return None
+        group = self.loss_mesh.get_group()
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
+
+        def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+            torch.distributed.all_reduce(tensor, op=ops[op], group=group)
+            return tensor
+
+        return all_reduce
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -209,7 +314,7 @@ class Trainer:
             logger.info("resolved config:\n%s", cfg.to_toml().rstrip())
         cfg.save_toml(self.run_dir / "config.toml")
         logger.info("git revision %s | %s", git_revision(), " ".join(f"{k} {v}" for k, v in versions().items()))
-        logger.info("device %s | world size %d", device_description(self.device), self.dp_world)
+        logger.info("device %s | %s", device_description(self.device), self.parallel_dims.describe())
         logger.info(
             "model %s/%s: %.2fM params total, %.2fM active per token%s | %.3g training FLOPs/token "
             "(6 x active non-embedding params + attention, no causal halving)",
@@ -248,33 +353,73 @@ class Trainer:
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         depth = self.model_args.mtp_depth
+        cp = self.context_parallel
+        # Context parallelism: keep this rank's head-tail chunks of every sequence (counts are then local).
+        shards = [cp.shard_batch(inputs, labels) for inputs, labels in batches] if cp is not None else None
+        if shards is not None:
+            batches = [(shard.tokens, shard.labels) for shard in shards]
         n_valid = sum(count_valid(labels) for _, labels in batches)
         # MTP depth k predicts labels shifted by k+1, so its last k+1 positions have no target.
-        n_valid_mtp = sum(count_valid(labels[:, k + 1 :]) for _, labels in batches for k in range(depth))
+        if shards is None:
+            n_valid_mtp = sum(count_valid(labels[:, k + 1 :]) for _, labels in batches for k in range(depth))
+        else:
+            n_valid_mtp = sum(count_valid(t) for shard in shards for t in shard.mtp_labels)
+        if self.loss_mesh is not None:
+            # Every rank divides by the global counts (all data and context ranks), so the
+            # summed gradients are those of the global mean.
+            counts = torch.tensor([n_valid, n_valid_mtp], dtype=torch.float64, device=self.device)
+            n_valid, n_valid_mtp = (int(c) for c in all_reduce_sum(counts, self.loss_mesh).tolist())
         loss_total = torch.zeros((), device=self.device)
         mtp_total = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            with self.autocast():
-                out = self.model(inputs, labels=labels)
-                loss = cross_entropy_sum(out.logits, labels) / n_valid
-                objective = loss + out.aux_loss / len(batches)
+        tp = self.parallel_dims.tp_enabled
+        for i, (inputs, labels) in enumerate(batches):
+            # Engram ids are hashed here, from the full sequence, before any context split.
+            hasher = self.model.engram_hasher
+            engram_ids = hasher(inputs) if hasher is not None else None
+            shard = {} if shards is None else {"positions": shards[i].positions, "attn_mask": shards[i].attn_mask}
+            with self.autocast(), maybe_loss_parallel(tp):
+                out = self.model(inputs, labels=labels, engram_ids=engram_ids, **shard)
+                loss = self.loss_fn(out.logits, labels) / n_valid
+                if self.step == self.cfg.training.debug_inject_nan_step:
+                    loss = loss * float("nan")
+                # Per-rank balance losses are means over local sequences: average them over ranks too.
+                objective = loss + out.aux_loss / (len(batches) * self.parallel_dims.loss_degree)
                 if out.mtp_logits:
-                    mtp_sum, _ = mtp_loss(out.mtp_logits, labels, ignore_index=IGNORE_INDEX)
+                    if shards is None:
+                        mtp_sum, _ = mtp_loss(out.mtp_logits, labels, ignore_index=IGNORE_INDEX)
+                    else:  # targets shifted on the full sequence, then sharded
+                        mtp_sum = sum(map(cross_entropy_sum, out.mtp_logits, shards[i].mtp_labels))
                     mtp = mtp_sum / max(n_valid_mtp, 1)
                     objective = objective + self.cfg.model.mtp_loss_weight * mtp
-                    mtp_total += mtp.detach()
-            objective.backward()
-            loss_total += loss.detach()
+                    mtp_total += replicated_value(mtp.detach())
+            with maybe_loss_parallel(tp):
+                objective.backward()
+            loss_total += replicated_value(loss.detach())
         max_norm = self.cfg.training.max_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        if tp:
+            replicate_partial_grads(params)
+        if self.loss_mesh is not None:
+            totals = all_reduce_sum(torch.stack([loss_total, mtp_total]), self.loss_mesh)
+            loss_total, mtp_total = totals[0], totals[1]
+        # Parameters may live on several meshes (dense "fsdp", experts "efsdp" x "ep"), which
+        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU.
+        grad_norm = clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, gradient_shard_groups(self.model))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        # Checked before the step, so a NaN never reaches the weights (nor, through the
+        # optimizer pre-hook, the MoE bias). The schedule still advances: LR stays a function of the step.
+        skipped = self.nonfinite.should_skip(self.step, float(loss_total), float(grad_norm))
+        if skipped:
+            for moe in self.bias_updater.modules:
+                moe.tokens_per_expert.zero_()
+        else:
+            self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"loss": float(loss_total), "grad_norm": float(grad_norm), "lr": lr}
         if depth:
             stats["mtp_loss"] = float(mtp_total)
+        stats.update(engram_metrics(self.model))
         moe_stats = self.bias_updater.last_stats
         if moe_stats:
             # max/mean expert load, averaged over MoE layers, and the worst layer's.
@@ -288,14 +433,18 @@ class Trainer:
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.train_iter = iter(self.train_loader)
-        if self.validator is not None:
+        if self.validator is not None and self.step == 0:
             self.metrics.log({"step": 0, "val_loss": self.validate()})
+        stop = StopRequest(t.time_limit_minutes).install()
         logger.info("training for %d steps", t.steps)
         gc.disable()
-        tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len
+        # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
+        world = self.parallel_dims.world_size
+        tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world / world
         window_time, window_wait, window_steps = 0.0, 0.0, 0
+        stop_reason = None
         try:
-            while self.step < t.steps:
+            while self.step < t.steps and stop_reason is None:
                 self.step += 1
                 if self.step % t.gc_freq == 0:
                     gc.collect()
@@ -307,7 +456,13 @@ class Trainer:
                 window_time += time.perf_counter() - step_start
                 window_wait += data_wait
                 window_steps += 1
+                stop_reason = stop.reason()
+                self.checkpointer.maybe_save(
+                    self.step, {"step": self.step, **self.nonfinite.state_dict()},
+                    last=self.step == t.steps, force=stop_reason is not None,
+                )
                 is_log = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps or self.step == 1
+                is_log = is_log or stop_reason is not None
                 is_val = self.validator is not None and (
                     self.step % cfg.validation.freq == 0 or self.step == t.steps
                 )
@@ -332,10 +487,16 @@ class Trainer:
                 window_time, window_wait, window_steps = 0.0, 0.0, 0
         finally:
             gc.enable()
+            stop.uninstall()
+            self.checkpointer.wait()
+        if stop_reason is not None:
+            logger.info("stopped at step %d (%s); resume with the same command", self.step, stop_reason)
         logger.info("training finished at step %d; run folder %s", self.step, self.run_dir.resolve())
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
+        destroy_distributed()
 
 
 def _setup_logging(log_file: Path) -> None:
@@ -368,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.warning("interrupted at step %d; exiting", trainer.step)
         return 130
+    except TrainingDiverged as e:
+        logger.error("%s", e)
+        return 3
     finally:
         trainer.close()
     return 0

@@ -22,11 +22,16 @@ class Validator:
         max_batches: int,
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager],
+        all_reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     ):
+        """``all_reduce(tensor, op)`` (op "sum" or "min") combines ranks in a parallel run:
+        every rank then runs the same number of batches (the fewest any rank has, since the
+        model's collectives need all of them) and returns the global mean."""
         self.build_loader = build_loader
         self.max_batches = max_batches
         self.device = device
         self.autocast = autocast
+        self.all_reduce = all_reduce
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
@@ -36,9 +41,16 @@ class Validator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tokens = 0
         try:
-            for i, (inputs, labels) in enumerate(self.build_loader()):
-                if i >= self.max_batches:
+            batches = iter(self.build_loader())
+            for _ in range(self.max_batches):
+                batch = next(batches, None)
+                if self.all_reduce is not None:
+                    have = torch.tensor(float(batch is not None), device=self.device)
+                    if self.all_reduce(have, "min").item() == 0:
+                        break
+                if batch is None:
                     break
+                inputs, labels = batch
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 with self.autocast():
                     logits = model(inputs).logits
@@ -46,6 +58,9 @@ class Validator:
                 n_tokens += count_valid(labels)
         finally:
             model.train(was_training)
+        if self.all_reduce is not None:
+            totals = self.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(n_tokens)]), "sum")
+            loss_sum, n_tokens = totals[0], int(totals[1].item())
         if n_tokens == 0:
             raise RuntimeError(
                 "the validation split produced no batch: it is smaller than one batch of "

@@ -131,6 +131,10 @@ class MLA(nn.Module):
         self.backend = backend
         # Fetched here, not in forward: a cache lookup inside a torch.compile'd block would be traced.
         self.flex_attention = _compiled_flex_attention() if backend == "flex" else None
+        # Context parallelism sets this to a callable `(kv [B, S, kv_lora_rank], k_pe [B, S, 1, rope])
+        # -> the same for the whole sequence` (trainer/parallel/context_parallel.py): only the
+        # compressed latent crosses ranks, queries stay local. None = single device.
+        self.latent_exchange = None
 
         if q_lora_rank == 0:
             self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
@@ -159,8 +163,10 @@ class MLA(nn.Module):
         kv = self.wkv_a(x)  # (B, S, kv_lora_rank + rope): latent + the single shared rope key
         kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (B, S, 1, rope)
+        if self.latent_exchange is not None:
+            kv, k_pe = self.latent_exchange(kv, k_pe)  # key length S -> S_kv (all context ranks)
         kv = self.wkv_b(self.kv_norm(kv))
-        kv = kv.view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        kv = kv.view(bsz, kv.shape[1], -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
         q = torch.cat([q_nope, q_pe], dim=-1)  # (B, S, H, qk_head_dim)

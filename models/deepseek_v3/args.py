@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from models.common.attention import ATTN_BACKENDS, ATTN_MASK_TYPES
 from models.common.rope import yarn_mscale
+from models.engram import EngramArgs
 from models.moe import MoEArgs
 
 
@@ -89,10 +90,16 @@ class DeepSeekV3ModelArgs:
     """Base init std; the output projections of block l use `init_std / sqrt(2 * (l + 1))`."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output head."""
+    engram: EngramArgs | None = None
+    """Engram conditional memory at `engram.layer_ids` (0-based blocks); None = no Engram."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEArgs(**self.moe)
+        if isinstance(self.engram, dict):
+            self.engram = EngramArgs(**self.engram)
+        if self.engram is not None and max(self.engram.layer_ids) >= self.n_layers:
+            raise ValueError(f"engram.layer_ids {self.engram.layer_ids} must be < n_layers={self.n_layers}")
         positive = (
             "vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "kv_lora_rank",
             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len", "original_seq_len",

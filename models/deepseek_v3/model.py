@@ -27,6 +27,7 @@ from models.common.ffn import FeedForward
 from models.common.rope import precompute_freqs_cis
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.mtp import MTPModule, mtp_input_ids
+from models.engram import Engram, LocalEngramLookup
 from models.moe import MoE
 
 
@@ -43,7 +44,8 @@ class ModelOutput(NamedTuple):
 class TransformerBlock(nn.Module):
     """Pre-norm block: `h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h))`.
 
-    The FFN is a dense `FeedForward` for `layer_id < n_dense_layers`, else an `MoE`.
+    The FFN is a dense `FeedForward` for `layer_id < n_dense_layers`, else an `MoE`. Blocks listed
+    in `args.engram.layer_ids` first add their Engram output: `x = x + engram(x, engram_rows)`.
     """
 
     def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
@@ -69,9 +71,16 @@ class TransformerBlock(nn.Module):
         else:
             self.ffn = FeedForward(args.dim, args.inter_dim)
         self.weight_init_std = args.init_std / (2 * (layer_id + 1)) ** 0.5
+        use_engram = args.engram is not None and layer_id in args.engram.layer_ids
+        self.engram = Engram(layer_id, args.dim, args.engram, args.norm_eps) if use_engram else None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: `[B, S, dim]`. Returns (`[B, S, dim]`, 0-dim fp32 aux loss; zero for dense blocks)."""
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask, engram_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: `[B, S, dim]`; engram_rows: `[B, S, H, D_h]` table rows (Engram blocks only).
+        Returns (`[B, S, dim]`, 0-dim fp32 aux loss; zero for dense blocks)."""
+        if self.engram is not None:
+            x = x + self.engram(x, engram_rows)
         x = x + self.attn(self.attn_norm(x), freqs_cis, attn_mask)
         if self.moe_enabled:
             ffn_out, aux_loss = self.ffn(self.ffn_norm(x))
@@ -84,6 +93,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.attn.init_weights(self.weight_init_std)
         self.ffn.init_weights(self.weight_init_std)
+        if self.engram is not None:
+            self.engram.init_weights(self.weight_init_std)
 
 
 class DeepSeekV3Model(nn.Module):
@@ -112,6 +123,12 @@ class DeepSeekV3Model(nn.Module):
             if args.mtp_depth > 0
             else None
         )
+        # Engram: the table lookup is an object (embedding parallelism swaps in a sharded one);
+        # `engram_hasher` (an `NgramHasher`, set by the trainer) hashes `tokens` when a caller
+        # passes no `engram_ids`, which is only right for full, unsplit sequences.
+        self.engram_layer_ids = tuple(args.engram.layer_ids) if args.engram is not None else ()
+        self.engram_lookup = LocalEngramLookup()
+        self.engram_hasher = None
 
     def _precompute_freqs_cis(self, device: torch.device | str | None = None) -> torch.Tensor:
         a = self.args
@@ -120,21 +137,42 @@ class DeepSeekV3Model(nn.Module):
             a.beta_fast, a.beta_slow, device=device,
         )
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attn_mask=None,
+        engram_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
         """tokens: `[B, S]` int64 ids; labels: `[B, S]` next-token ids (only MTP reads them).
 
+        positions: `[S]` int64 positions of the tokens in their sequence (default `0..S-1`);
+        attn_mask: a mask for `MLA` built by the caller (default: from `tokens`). Context
+        parallelism passes both for its shard of the sequence (trainer/parallel/context_parallel.py).
+        engram_ids: `[B, S, L, H]` Engram table rows hashed from the FULL sequence (`NgramHasher`,
+        before any context split), slot i for block `engram.layer_ids[i]`; None = hash `tokens`
+        with `engram_hasher`.
         Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
         """
         seqlen = tokens.shape[1]
-        if seqlen > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.freqs_cis.shape[0]}")
-        freqs_cis = self.freqs_cis[:seqlen]
-        attn_mask = build_attention_mask(tokens, self.args.attn_mask_type, self.args.eos_id, self.args.attn_backend)
+        if positions is None:
+            if seqlen > self.freqs_cis.shape[0]:
+                raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.freqs_cis.shape[0]}")
+            freqs_cis = self.freqs_cis[:seqlen]
+        else:
+            freqs_cis = self.freqs_cis[positions]  # (S, rope) rows of these global positions
+        if attn_mask is None:
+            attn_mask = build_attention_mask(tokens, self.args.attn_mask_type, self.args.eos_id, self.args.attn_backend)
 
         h = self.embed(tokens)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        engram_rows = self._engram_rows(tokens, engram_ids)
         for layer in self.layers.values():
-            h, layer_aux = layer(h, freqs_cis, attn_mask)
+            if layer.engram is not None:
+                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[self.engram_layer_ids.index(layer.layer_id)])
+            else:
+                h, layer_aux = layer(h, freqs_cis, attn_mask)
             aux_loss = aux_loss + layer_aux
         h = self.norm(h)
         logits = self.head(h)
@@ -146,6 +184,17 @@ class DeepSeekV3Model(nn.Module):
                 aux_loss = aux_loss + layer_aux
                 mtp_logits.append(self.head(h))
         return ModelOutput(logits, mtp_logits, aux_loss)
+
+    def _engram_rows(self, tokens: torch.Tensor, engram_ids: torch.Tensor | None):
+        """Per Engram layer `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""
+        if not self.engram_layer_ids:
+            return None
+        if engram_ids is None:
+            if self.engram_hasher is None:
+                raise ValueError("this model has Engram layers: pass engram_ids=NgramHasher(...)(tokens)")
+            engram_ids = self.engram_hasher(tokens)
+        tables = [self.layers[str(i)].engram.table for i in self.engram_layer_ids]
+        return self.engram_lookup(tables, engram_ids)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

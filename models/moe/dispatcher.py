@@ -65,6 +65,8 @@ class LocalTokenDispatcher(TokenDispatcher):
         )
         num_tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
         routed_x = x.index_select(0, order // top_k)
+        # The experts' graph traces the row count symbolically (no recompile when it changes).
+        torch._dynamo.maybe_mark_dynamic(routed_x, 0)
         return routed_x, num_tokens_per_expert, _LocalContext(unsort, top_scores)
 
     @torch.compiler.disable

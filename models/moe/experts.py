@@ -75,8 +75,12 @@ class GroupedExperts(nn.Module):
             num_tokens_per_expert: [E] int, rows per expert (zeros allowed), summing to N.
 
         Returns:
-            [N, dim] in x's dtype.
+            [N, dim] in x's dtype, or in the autocast dtype when autocast is on.
         """
+        if torch.is_autocast_enabled(x.device.type):
+            # `_grouped_mm` has no autocast rule (the loop's F.linear has): cast the rows here so
+            # both paths, eager and compiled, run in the autocast dtype (bf16 -> grouped mm).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.use_grouped_mm and _grouped_mm_supported(x):
             align = CUDA_GROUP_ALIGN if x.is_cuda else 1
             return self._forward_grouped(x, num_tokens_per_expert, align)
@@ -92,9 +96,11 @@ class GroupedExperts(nn.Module):
             offsets = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
         # Rows past offsets[-1] (padding tail) come out uninitialised; they are never read back
         # and the weight gradients only sum rows inside the groups.
-        h = F.silu(torch._grouped_mm(x_in, self.w1.transpose(-2, -1), offs=offsets))
-        h = h * torch._grouped_mm(x_in, self.w3.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        # `.to` is a no-op unless autocast made x lower precision than the fp32 weights.
+        w1, w2, w3 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(torch._grouped_mm(x_in, w1, offs=offsets))
+        h = h * torch._grouped_mm(x_in, w3, offs=offsets)
+        out = torch._grouped_mm(h, w2, offs=offsets)
         return out.index_select(0, dest) if align > 1 else out
 
     def _forward_loop(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

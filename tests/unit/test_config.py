@@ -78,7 +78,7 @@ def test_defaults_match_contract():
     assert cfg.parallelism.dp_shard == -1
     assert cfg.activation_checkpoint.mode == "none"
     assert set(_sections(JobConfig)) == {
-        "job", "model", "training", "optimizer", "lr_scheduler", "metrics",
+        "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics",
         "validation", "checkpoint", "parallelism", "activation_checkpoint",
     }
 

@@ -1,0 +1,216 @@
+"""Hugging Face / DeepSeek safetensors checkpoints on disk: sharded reading and writing, FP8
+block dequantisation, and `config.json` -> `DeepSeekV3ModelArgs`.
+
+This file is about *files*; `state_dict_adapter.py` is about *names*. Together:
+
+    args = args_from_hf_config(read_hf_config(folder))
+    native = DeepSeekV3StateDictAdapter(args).from_hf(read_hf_state_dict(folder))
+
+It lives in `models/` (not `trainer/`) because it needs nothing but torch and safetensors, and a
+user converting weights should not have to import the trainer.
+
+DeepSeek's released V3/R1 weights are FP8 (e4m3) with one fp32 `weight_scale_inv` per 128x128
+block of each quantised matrix; the true weight is `weight.float() * scale_inv[i // 128, j // 128]`
+(DeepSeek's `inference/kernel.py::weight_dequant`). Edge blocks are ragged: a 300-row matrix has
+3 row blocks, the last one 44 rows high.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from models.deepseek_v3.args import DeepSeekV3ModelArgs
+from models.moe import MoEArgs
+
+FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` is the block scale of `X.weight`
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+_FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, name)
+)
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`weight` [R, C] (fp8) times its per-block scale `scale_inv` [ceil(R/block), ceil(C/block)]."""
+    if weight.ndim != 2:
+        raise ValueError(f"FP8 block dequantisation expects a matrix, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    expected = (math.ceil(rows / block), math.ceil(cols / block))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)} "
+            f"with {block}x{block} blocks (expected {expected})"
+        )
+    # Expand each block scale over its block, then cut the ragged last row/column block.
+    scale = scale_inv.float().repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def list_safetensors_files(folder: str | Path) -> list[Path]:
+    """The shard files of a checkpoint folder: those named by `model.safetensors.index.json`, else
+    every `*.safetensors` file in it (a single-file checkpoint)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"HF checkpoint folder not found: {folder}")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that do not exist: {', '.join(missing[:5])}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files (and no {INDEX_FILE}) in {folder}")
+    return files
+
+
+def read_hf_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a (sharded) safetensors checkpoint, HF names, on the CPU.
+
+    FP8 weights are dequantised with their `weight_scale_inv` (the scale keys are dropped), to
+    `dtype` or fp32. Other floating-point tensors are cast to `dtype` when it is given. The whole
+    checkpoint is held in memory: fine up to tens of GB; a 671B import wants a machine with the RAM.
+    """
+    from safetensors import safe_open
+
+    raw: dict[str, torch.Tensor] = {}
+    for path in list_safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                raw[key] = f.get_tensor(key)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in raw.items():
+        if key.endswith(SCALE_SUFFIX):
+            weight_key = key.removesuffix(SCALE_SUFFIX)
+            if weight_key not in raw:
+                raise KeyError(f"{key} has no weight {weight_key} to scale")
+            continue
+        scale = raw.get(key + SCALE_SUFFIX)
+        if scale is not None:
+            out[key] = dequantize_fp8_block(tensor, scale, dtype=dtype or torch.float32)
+        elif tensor.dtype in _FP8_DTYPES:
+            raise ValueError(f"{key} is {tensor.dtype} but the checkpoint has no {key}{SCALE_SUFFIX} to dequantise it")
+        elif dtype is not None and tensor.is_floating_point():
+            out[key] = tensor.to(dtype)
+        else:
+            out[key] = tensor
+    return out
+
+
+def write_hf_checkpoint(
+    hf_state_dict: dict[str, torch.Tensor],
+    folder: str | Path,
+    config: dict | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """Write `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor
+    larger than that gets a shard of its own), `model.safetensors.index.json`, and `config.json`
+    when `config` is given. Floating-point tensors are cast to `dtype` when it is given."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes, total = 0, 0
+    for key in sorted(hf_state_dict):
+        tensor = hf_state_dict[key]
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        # safetensors rejects views and tensors that share storage: give each its own memory.
+        tensor = tensor.detach().to("cpu").contiguous().clone()
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][key] = tensor
+        shard_bytes += size
+        total += size
+    n = len(shards)
+    weight_map, written = {}, []
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+        written.append(folder / name)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if config is not None:
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return written
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}")
+    return json.loads(path.read_text())
+
+
+def args_from_hf_config(config: dict, **overrides) -> DeepSeekV3ModelArgs:
+    """The inverse of `state_dict_adapter.to_hf_config`: a DeepSeek-V3 `config.json` dict (as
+    DeepSeek releases it or `transformers` writes it) -> our args. `overrides` replace fields
+    after the mapping (e.g. `max_seq_len=4096` to train at a shorter context)."""
+    if config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"only sigmoid-routed DeepSeek-V3 configs are supported, got {config['scoring_func']!r}")
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+    defaults = DeepSeekV3ModelArgs()
+    moe = MoEArgs(
+        num_experts=config["n_routed_experts"],
+        num_shared_experts=config.get("n_shared_experts") or 0,
+        top_k=config["num_experts_per_tok"],
+        score_func="sigmoid",
+        route_norm=config.get("norm_topk_prob", True),
+        route_scale=config.get("routed_scaling_factor", 1.0),
+        num_expert_groups=config.get("n_group", 1),
+        num_limited_groups=config.get("topk_group", 1),
+        # The noaux_tc routing bias is always present in a V3 checkpoint.
+        load_balance_coeff=1e-3,
+    )
+    args = dict(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        inter_dim=config["intermediate_size"],
+        moe_inter_dim=config["moe_intermediate_size"],
+        n_layers=config["num_hidden_layers"],
+        n_dense_layers=config.get("first_k_dense_replace", 0),
+        n_heads=config["num_attention_heads"],
+        moe=moe,
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        max_seq_len=config.get("max_position_embeddings", defaults.max_seq_len),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", defaults.rope_theta)),
+        mtp_depth=config.get("num_nextn_predict_layers", 0),
+        norm_eps=config.get("rms_norm_eps", defaults.norm_eps),
+        init_std=config.get("initializer_range", defaults.init_std),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+    )
+    eos = config.get("eos_token_id")
+    if isinstance(eos, int):
+        args["eos_id"] = eos
+    if yarn:
+        args.update(
+            rope_factor=rope["factor"],
+            original_seq_len=rope["original_max_position_embeddings"],
+            beta_fast=rope.get("beta_fast", defaults.beta_fast),
+            beta_slow=rope.get("beta_slow", defaults.beta_slow),
+            mscale=rope.get("mscale_all_dim", rope.get("mscale", defaults.mscale)),
+        )
+    else:
+        # No YaRN: keep max_seq_len <= original_seq_len so it stays off.
+        args["original_seq_len"] = max(defaults.original_seq_len, args["max_seq_len"])
+    args.update(overrides)
+    return DeepSeekV3ModelArgs(**args)

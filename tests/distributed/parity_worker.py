@@ -1,0 +1,187 @@
+"""Loss-parity worker: trains the debug model for a few steps under several parallel layouts in
+one process group and writes each layout's losses and gradient norms to a JSON file.
+
+    python -m tests.distributed.parity_worker --nproc 4 --layouts hsdp_2x2 --out out.json [--reference]
+
+Every layout runs the real ``Trainer`` (meta build -> parallelize -> weights -> train_step), fp32,
+deterministic, from the single-process weights (CPU runs copy them in, see Trainer.__init__).
+
+Identical data: the loader of a data-parallel run gives each dp rank different documents than
+one process reading everything, so the worker bypasses it: every rank builds the *global*
+batch of each step from the same single-process loader (dp world 1, batch = global batch) and
+keeps rows ``[dp_rank * local : (dp_rank + 1) * local]``. The single-process reference reads the
+same global batches whole, so all layouts see the same tokens per step.
+
+``--reference`` also runs the single-process layout on rank 0 before the process group starts.
+Adding a layout (TP, CP, ...): one entry in ``LAYOUTS`` with its ``[parallelism]`` overrides and
+its world size; the pytest side (test_parity.py) lists which layouts it launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+# world size, [parallelism] overrides (dp_shard inferred when absent)
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "single": (1, {}),
+    "fsdp_2": (2, {}),
+    "fsdp_2_ep_2": (2, {"ep": 2}),
+    "hsdp_2x2": (4, {"dp_replicate": 2}),
+    "fsdp_4_ep_2": (4, {"ep": 2}),
+    "hsdp_2x2_ep_2": (4, {"dp_replicate": 2, "ep": 2}),
+    "fsdp_2_ac_op": (2, {}),
+    "fsdp_2_ep_2_ac_full": (2, {"ep": 2}),
+    "tp_2": (2, {"tp": 2}),
+    "cp_2": (2, {"cp": 2}),
+    "ep_2_as_cp": (2, {"ep": 2, "ep_as_cp": "true"}),
+    "fsdp_2_cp_2": (4, {"cp": 2}),
+    "fsdp_2_ep_2_tp_2": (4, {"tp": 2, "ep": 2}),
+    "fsdp_2_ep_2_compile": (2, {"ep": 2}),
+}
+EXTRA = {
+    "fsdp_2_ac_op": ["--activation_checkpoint.mode", "op"],
+    "fsdp_2_ep_2_ac_full": ["--activation_checkpoint.mode", "full"],
+    "fsdp_2_ep_2_compile": ["--training.compile"],
+}
+
+GLOBAL_BATCH = 4
+SEQ_LEN = 64
+STEPS = 5
+
+
+def _config(layout: str, dump: str):
+    from trainer.config import load_config
+    from trainer.parallel.parallel_dims import ParallelDims
+
+    world, overrides = LAYOUTS[layout]
+    argv = [
+        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder", dump,
+        "--no-job.print_config",
+        "--training.steps", str(STEPS),
+        "--training.seq_len", str(SEQ_LEN),
+        "--training.global_batch_size", str(GLOBAL_BATCH),
+        "--training.device", "cpu",
+        "--training.deterministic",
+        "--no-validation.enable",
+        "--lr_scheduler.warmup_steps", "2",
+    ]
+    dims = ParallelDims(
+        dp_replicate=overrides.get("dp_replicate", 1), dp_shard=overrides.get("dp_shard", -1),
+        cp=overrides.get("cp", 1), tp=overrides.get("tp", 1), ep=overrides.get("ep", 1),
+        ep_as_cp=bool(overrides.get("ep_as_cp", False)), world_size=world,
+    )
+    argv += ["--training.local_batch_size", str(GLOBAL_BATCH // dims.dp_degree)]
+    for key, value in overrides.items():
+        argv += [f"--parallelism.{key}", str(value)]
+    argv += EXTRA.get(layout, [])
+    return load_config(argv)
+
+
+def _global_batches(trainer, n: int):
+    from trainer.data import build_dataloader
+
+    t = trainer.cfg.training
+    loader = build_dataloader(
+        tokenizer=trainer.tokenizer, dataset=t.dataset, dataset_path=None, seq_len=t.seq_len,
+        batch_size=GLOBAL_BATCH, dp_rank=0, dp_world_size=1, split="train", seed=t.seed, infinite=True,
+    )
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def run_layout(layout: str, workdir: str) -> dict:
+    from trainer.train import Trainer
+
+    trainer = Trainer(_config(layout, os.path.join(workdir, layout)))
+    try:
+        local = trainer.cfg.training.local_batch_size
+        lo = trainer.dp_rank * local
+        losses, norms = [], []
+        for inputs, labels in _global_batches(trainer, STEPS):
+            trainer.step += 1
+            stats = trainer.train_step([(inputs[lo : lo + local], labels[lo : lo + local])])
+            losses.append(stats["loss"])
+            norms.append(stats["grad_norm"])
+        return {"loss": losses, "grad_norm": norms, "dp_world": trainer.dp_world}
+    finally:
+        trainer.metrics.close()
+
+
+def check_expert_init(workdir: str) -> dict:
+    """``init_expert_weights`` (the non-CPU init path under EP): every global expert gets its
+    own seeded values, so the two ep ranks' local experts differ and match a direct draw."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from trainer.parallel.expert_parallel import init_expert_weights
+    from trainer.train import Trainer
+
+    trainer = Trainer(_config("fsdp_2_ep_2", os.path.join(workdir, "expert_init")))
+    try:
+        init_expert_weights(trainer.model, seed=7)
+        block = trainer.model.layers["1"]
+        w1 = block.ffn.experts.w1.full_tensor()  # [E_local, inter, dim] of this ep rank
+        start, _ = block.ffn.dispatcher.local_expert_range
+        gen = torch.Generator().manual_seed(((7 * 1_000_003 + 1) * 1_000_003 + start) * 3)
+        expected = nn.init.trunc_normal_(torch.empty_like(w1[0]), std=0.02, generator=gen)
+        gathered = [torch.empty_like(w1) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, w1.contiguous())
+        return {
+            "matches_seeded": bool(torch.equal(w1[0], expected)),
+            "ranks_differ": not torch.equal(gathered[0], gathered[1]),
+        }
+    finally:
+        trainer.metrics.close()
+
+
+def _worker(rank: int, nproc: int, port: int, layouts: list[str], out: str, reference: bool) -> None:
+    torch.set_num_threads(1)
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        if reference and rank == 0:
+            os.environ["WORLD_SIZE"] = "1"
+            results["single"] = run_layout("single", workdir)
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        for layout in layouts:
+            if LAYOUTS[layout][0] != nproc:
+                raise ValueError(f"layout {layout} needs {LAYOUTS[layout][0]} ranks, not {nproc}")
+            results[layout] = run_layout(layout, workdir)
+        if "fsdp_2_ep_2" in layouts:
+            results["expert_init"] = check_expert_init(workdir)
+    from trainer.parallel.distributed import destroy_distributed
+
+    destroy_distributed()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--layouts", default="")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    layouts = [x for x in args.layouts.split(",") if x]
+    torch.multiprocessing.spawn(
+        _worker, args=(args.nproc, args.port, layouts, args.out, args.reference), nprocs=args.nproc
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""ParallelDims validation: runs without any process group (the errors come before it)."""
+
+import pytest
+
+from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
+
+
+def dims(world, **kw):
+    base = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, ep=1, ep_as_cp=False)
+    base.update(kw)
+    return ParallelDims(world_size=world, **base)
+
+
+def test_infers_dp_shard_and_degrees():
+    d = dims(16, dp_replicate=2, tp=2, ep=2)
+    assert d.dp_shard == 4
+    assert (d.fsdp_degree, d.efsdp, d.dp_degree, d.loss_degree) == (4, 2, 8, 8)
+    assert d.fsdp_enabled and d.hsdp_enabled and d.ep_enabled and d.tp_enabled and not d.cp_enabled
+
+
+def test_ep_borrows_from_dp_shard_times_cp():
+    d = dims(8, dp_shard=2, cp=4, ep=8)
+    assert (d.efsdp, d.fsdp_degree, d.dp_degree, d.context_degree) == (1, 8, 2, 4)
+
+
+def test_ep_as_cp_shards_the_sequence_over_ep():
+    d = dims(8, ep=4, ep_as_cp=True)
+    assert (d.dp_shard, d.context_degree, d.dp_degree, d.loss_degree) == (8, 4, 2, 8)
+    assert d.context_mesh_name == "ep"
+
+
+def test_single_process_has_no_meshes():
+    d = dims(1)
+    d.build_meshes("cpu")
+    assert not d.meshes_built and d.mesh_or_none("loss") is None
+    assert d.dp_rank_and_degree() == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "world, kw, words",
+    [
+        (8, dict(dp_replicate=3), ["dp_replicate x cp x tp = 3 x 1 x 1 = 3", "does not divide", "8"]),
+        (8, dict(dp_shard=3), ["= 3 != world size 8", "dp_shard = 8"]),
+        (8, dict(dp_shard=2, tp=2), ["= 4 != world size 8", "dp_shard = 4"]),
+        (4, dict(dp_shard=2, cp=2, ep=3), ["ep = 3 must divide dp_shard x cp = 2 x 2 = 4", "[1, 2, 4]"]),
+        (8, dict(cp=2, ep=2, ep_as_cp=True), ["cp must be 1", "--parallelism.ep 4"]),
+        (8, dict(ep_as_cp=True), ["ep_as_cp needs parallelism.ep > 1"]),
+        (8, dict(tp=0), ["parallelism.tp must be >= 1"]),
+        (8, dict(dp_shard=0), ["dp_shard must be >= 1 or -1"]),
+    ],
+)
+def test_impossible_layouts_say_what_would_fit(world, kw, words):
+    with pytest.raises(ParallelDimsError) as err:
+        dims(world, **kw)
+    for w in words:
+        assert w in str(err.value)

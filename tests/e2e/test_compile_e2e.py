@@ -1,0 +1,38 @@
+"""`run_train.sh --training.compile` as a user runs it (CPU, debug model)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_run_train_with_compile(tmp_path):
+    # Batch 2 x 64 tokens: the shapes of tests/unit/test_compile.py, so a session that ran it
+    # finds these graphs in the shared inductor cache (tests/conftest.py).
+    args = [
+        "--training.compile", "--training.steps", "20", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--metrics.log_freq", "5", "--validation.steps", "2",
+    ]
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "run"), *args],
+        cwd=tmp_path,
+        env={**os.environ, "NGPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
+    assert all(r["loss"] == r["loss"] and r["loss"] < 10.0 for r in train)  # finite, sane
+    assert train[-1]["loss"] < train[0]["loss"]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert set(val) == {0, 20} and val[20] < val[0]
+    config = (tmp_path / "run" / "config.toml").read_text()
+    assert "compile = true" in config

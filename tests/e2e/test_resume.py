@@ -1,0 +1,144 @@
+"""Checkpoint/resume of real training runs (debugmodel, seq_len 64, fp32, deterministic, CPU).
+
+- exact resume: a run killed by SIGKILL in the middle of an async save, resumed from its last
+  complete checkpoint, gives bit-identical losses to an uninterrupted run. All runs inject a NaN
+  at step 2, so the same test shows the step is skipped and training goes on, and that the
+  skip counter and LR schedule survive the resume.
+- SIGTERM: run_train.sh exits 0 with a checkpoint at its last step.
+- too many non-finite steps: the run stops with exit code 3 and saves nothing broken.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import COMPLETE, list_checkpoints
+from trainer.config import load_config
+from trainer.train import Trainer, main
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4  # checkpoints at STEPS / 2 and STEPS; kept small for a 2-core CI machine
+BASE = [
+    "--config", str(REPO / "train_configs/debug_model.toml"),
+    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32", "--training.deterministic",
+    "--no-validation.enable", "--metrics.log_freq", "1", "--job.print_config=false",
+]
+COMMON = [*BASE, "--training.debug_inject_nan_step", "2"]
+
+# Runs the trainer with a DCP writer that SIGKILLs the process once the data of the last step is on
+# disk but before DCP writes its .metadata: the worst moment of an async save.
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch.distributed.checkpoint as dcp
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    class DieMidSave(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = Trainer(load_config(sys.argv[1:]))
+    trainer.checkpointer.storage_writer_factory = (
+        lambda path: DieMidSave(str(path)) if path.name == "step-%d.tmp" else dcp.FileSystemWriter(str(path))
+    )
+    trainer.train()
+    """
+    % STEPS
+)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; a resumed run appends, so the last record of a step wins."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def run_in_process(*args: str) -> Trainer:
+    trainer = Trainer(load_config([*COMMON, *args]))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_exact_resume_after_sigkill_during_async_save(tmp_path):
+    straight = tmp_path / "straight"
+    reference = run_in_process("--job.dump_folder", str(straight))
+    ref_losses = losses(straight)
+    assert math.isnan(ref_losses[2]), "step 2 carries the injected NaN"
+    assert all(math.isfinite(ref_losses[s]) for s in ref_losses if s != 2)
+    assert reference.nonfinite.total == 1
+    assert all(torch.isfinite(p).all() for p in reference.model.parameters())
+    assert "optimizer step skipped" in (straight / "train.log").read_text()
+
+    killed = tmp_path / "killed"
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS // 2), "--checkpoint.async_mode", "async"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, *COMMON, "--job.dump_folder", str(killed), *ckpt],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    folder = killed / "checkpoint"
+    assert [c.step for c in list_checkpoints(folder)] == [STEPS // 2]
+    partial = folder / f"step-{STEPS}.tmp"
+    assert any(partial.glob("*.distcp")) and not (partial / COMPLETE).exists()
+
+    resumed = run_in_process("--job.dump_folder", str(killed), *ckpt)
+    log = (killed / "train.log").read_text()
+    assert f"resumed from {folder / f'step-{STEPS // 2}'}" in log
+    got = losses(killed)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert got[step] == ref_losses[step] or (math.isnan(got[step]) and math.isnan(ref_losses[step])), step
+    assert resumed.nonfinite.total == 1  # the skip before the checkpoint was restored
+    for (name, p), q in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    assert [c.step for c in list_checkpoints(folder)] == [STEPS, STEPS // 2]
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "NGPU": "1"}
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "run_train.sh"), *BASE, "--training.steps", "1000", "--job.dump_folder", str(run_dir),
+         "--checkpoint.enable", "--checkpoint.interval", "1000"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    last = max(losses(run_dir))
+    assert 1 <= last < 1000
+    assert [c.step for c in list_checkpoints(run_dir / "checkpoint")] == [last]
+    assert f"stopped at step {last} (received SIGTERM)" in out
+
+
+def test_repeated_nan_stops_without_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    rc = main([*COMMON, "--job.dump_folder", str(run_dir), "--training.steps", "2", "--training.max_skipped_steps", "1",
+               "--checkpoint.enable", "--checkpoint.interval", "1"])
+    assert rc == 3
+    assert [c.step for c in list_checkpoints(run_dir / "checkpoint")] == [1]
+    assert "1 consecutive steps with a non-finite loss" in (run_dir / "train.log").read_text()

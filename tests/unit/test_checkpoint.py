@@ -1,0 +1,190 @@
+"""CheckpointManager on a tiny model: atomic layout, pruning, async save, corrupt-checkpoint
+fallback, clear errors for a missing or mismatching checkpoint; the stop request; the NaN guard."""
+
+import logging
+import math
+import shutil
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
+from models.moe import MoEArgs
+from trainer.checkpoint import (
+    COMPLETE,
+    CheckpointError,
+    CheckpointManager,
+    list_checkpoints,
+    read_model_args,
+    read_model_state_dict,
+)
+from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
+
+
+def tiny_args(dim: int = 32) -> DeepSeekV3ModelArgs:
+    return DeepSeekV3ModelArgs(
+        vocab_size=64, dim=dim, inter_dim=48, moe_inter_dim=16, n_layers=2, n_dense_layers=1, n_heads=2,
+        moe=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True),
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_seq_len=16, mtp_depth=0,
+    )
+
+
+class FakeLoader:
+    def __init__(self):
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos, "buffer": [1, 2, 3]}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def ckpt_cfg(**overrides):
+    cfg = dict(
+        enable=True, folder="checkpoint", interval=1, keep_latest_k=0, async_mode="disabled", load_step=-1,
+        last_save_model_only=False, export_dtype="bfloat16", initial_load_path=None, initial_load_format="dcp",
+    )
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def build(tmp_path, dim=32, **overrides):
+    args = tiny_args(dim)
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    loader = FakeLoader()
+    mgr = CheckpointManager(
+        ckpt_cfg(**overrides), tmp_path, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader,
+        model_args=args, device=torch.device("cpu"),
+    )
+    return SimpleNamespace(args=args, model=model, opt=opt, sched=sched, loader=loader, mgr=mgr)
+
+
+def train_step(t, step):
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+    t.model(tokens).logits.float().pow(2).mean().backward()
+    t.opt.step()
+    t.sched.step()
+    t.opt.zero_grad()
+    with torch.no_grad():
+        t.model.layers["1"].ffn.expert_bias.add_(0.01 * step)
+    t.loader.pos = step
+
+
+def test_save_resume_restores_everything(tmp_path):
+    a = build(tmp_path, keep_latest_k=2, async_mode="async")
+    for step in (1, 2, 3):
+        train_step(a, step)
+        a.mgr.maybe_save(step, {"step": step, "skipped_total": 1})
+    a.mgr.close()
+    found = list_checkpoints(tmp_path / "checkpoint")
+    assert [c.step for c in found] == [3, 2]  # step-1 pruned by keep_latest_k
+    assert not list((tmp_path / "checkpoint").glob("*.tmp"))
+    for c in found:
+        assert (c.path / COMPLETE).is_file() and (c.path / ".metadata").is_file()
+    assert read_model_args(found[0].path) == a.args
+    rng_after_save = torch.rand(3)
+
+    b = build(tmp_path)
+    torch.rand(7)  # disturb the generator: the checkpoint must restore it
+    state = b.mgr.load()
+    assert state == {"step": 3, "skipped_total": 1}
+    for key, value in a.model.state_dict().items():
+        assert torch.equal(value, b.model.state_dict()[key]), key
+    assert b.model.layers["1"].ffn.expert_bias.abs().sum() > 0
+    sa, sb = a.opt.state_dict(), b.opt.state_dict()
+    for pid, st in sa["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, sb["state"][pid][name]), name
+    assert b.sched.state_dict()["last_epoch"] == 3 and b.loader.pos == 3
+    assert torch.equal(torch.rand(3), rng_after_save)
+
+
+def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch):
+    # A Trainer built earlier in this process stops the run logger from propagating to the root.
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    a = build(tmp_path)
+    for step in (1, 2):
+        train_step(a, step)
+        a.mgr.maybe_save(step, {"step": step})
+    reference = {k: v.clone() for k, v in a.model.state_dict().items()}
+    train_step(a, 3)
+    a.mgr.maybe_save(3, {"step": 3})
+    folder = tmp_path / "checkpoint"
+    # A save killed before its marker: a .tmp folder, and an unmarked step folder.
+    shutil.copytree(folder / "step-3", folder / "step-4.tmp")
+    shutil.copytree(folder / "step-3", folder / "step-5")
+    (folder / "step-5" / COMPLETE).unlink()
+    # The newest complete one has a truncated data file.
+    data = next((folder / "step-3").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+
+    b = build(tmp_path)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert b.mgr.load()["step"] == 2
+    assert "step-3 is corrupt or partial" in caplog.text and "falling back to step-2" in caplog.text
+    assert not (folder / "step-4.tmp").exists()
+    for key, value in reference.items():
+        assert torch.equal(value, b.model.state_dict()[key]), key
+
+
+def test_clear_errors(tmp_path):
+    a = build(tmp_path)
+    train_step(a, 1)
+    a.mgr.maybe_save(1, {"step": 1})
+
+    with pytest.raises(FileNotFoundError, match=r"load_step = 7: no checkpoint folder .*step-7.*complete ones: step-1"):
+        build(tmp_path, load_step=7).mgr.load()
+    with pytest.raises(FileNotFoundError, match="initial_load_path"):
+        build(tmp_path / "other", initial_load_path=str(tmp_path / "nope")).mgr.load()
+    with pytest.raises(CheckpointError) as err:
+        build(tmp_path, dim=48).mgr.load()
+    message = str(err.value)
+    assert "different model" in message and "shape mismatch" in message
+    assert "embed.weight: checkpoint (64, 32) vs model (64, 48)" in message
+    assert "Traceback" not in message
+
+
+def test_model_only_export_and_initial_load(tmp_path):
+    a = build(tmp_path / "a", last_save_model_only=True)
+    train_step(a, 1)
+    a.mgr.maybe_save(1, {"step": 1}, last=True)
+    path = tmp_path / "a" / "checkpoint" / "step-1"
+    weights = read_model_state_dict(path)
+    assert weights["embed.weight"].dtype == torch.bfloat16
+    assert weights["layers.1.ffn.expert_bias"].dtype == torch.float32
+    assert not any(k.startswith("optimizer") for k in weights)
+
+    b = build(tmp_path / "b", initial_load_path=str(path))
+    assert b.mgr.load() is None  # a fresh start from those weights
+    assert torch.equal(b.model.embed.weight, a.model.embed.weight.bfloat16().float())
+    assert torch.equal(b.model.layers["1"].ffn.expert_bias, a.model.layers["1"].ffn.expert_bias)
+
+
+def test_stop_request_signal_and_time_limit():
+    stop = StopRequest(agree=lambda flag: flag).install()
+    try:
+        assert stop.reason() is None
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.reason() == "received SIGTERM"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert "time limit" in StopRequest(time_limit_minutes=1e-9, agree=lambda f: f).reason()
+
+
+def test_nonfinite_guard_counts_and_stops():
+    guard = NonFiniteGuard(max_consecutive=2, agree=lambda f: f)
+    assert not guard.should_skip(1, 1.0, 1.0)
+    assert guard.should_skip(2, math.nan, 1.0)
+    assert not guard.should_skip(3, 1.0, 1.0)
+    assert guard.should_skip(4, 1.0, math.inf)
+    with pytest.raises(TrainingDiverged, match="2 consecutive"):
+        guard.should_skip(5, math.nan, math.nan)
+    assert guard.state_dict() == {"skipped_total": 3}

@@ -1,0 +1,171 @@
+"""HF safetensors interop: FP8 block dequantisation, DCP <-> HF conversion round trip, and logits of
+an imported (sharded, and FP8-quantised) HF checkpoint against `transformers`."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs  # noqa: E402
+from models.deepseek_v3.hf_io import (  # noqa: E402
+    INDEX_FILE,
+    args_from_hf_config,
+    dequantize_fp8_block,
+    read_hf_config,
+    read_hf_state_dict,
+)
+from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
+from models.moe import MoEArgs  # noqa: E402
+from trainer.checkpoint import load_hf_weights, read_model_state_dict, save_model_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts" / "convert_hf.py")
+convert_hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert_hf)
+
+VOCAB = 160
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def tiny_args(mtp_depth: int = 0) -> DeepSeekV3ModelArgs:
+    return DeepSeekV3ModelArgs(
+        vocab_size=VOCAB, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
+        moe=MoEArgs(
+            num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid", route_norm=True,
+            route_scale=2.5, num_expert_groups=4, num_limited_groups=2, load_balance_coeff=1e-3,
+        ),
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_seq_len=64, original_seq_len=64, mtp_depth=mtp_depth, eos_id=1,
+    )
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's scheme written out block by block: scale = amax / 448 per block."""
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / block), math.ceil(cols / block))
+    q = torch.empty(rows, cols, dtype=FP8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = blk.abs().max().clamp_min(1e-12) / FP8_MAX
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / scale[i, j]).to(FP8)
+    return q, scale
+
+
+def reference_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    out = torch.empty(q.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            sl = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            out[sl] = q[sl].float() * scale[i, j]
+    return out
+
+
+def test_fp8_block_dequant_ragged_edges(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * torch.logspace(-2, 1, 200)  # column blocks of very different ranges
+    q, scale = quantize_fp8_block(w)
+    assert scale.shape == (3, 2)
+    safetensors_torch.save_file(
+        {"layer.weight": q, "layer.weight_scale_inv": scale, "norm.weight": torch.ones(200, dtype=torch.bfloat16)},
+        str(tmp_path / "model.safetensors"),
+    )
+    sd = read_hf_state_dict(tmp_path)
+    assert set(sd) == {"layer.weight", "norm.weight"}
+    assert sd["layer.weight"].dtype == torch.float32 and sd["norm.weight"].dtype == torch.bfloat16
+    assert torch.equal(sd["layer.weight"], reference_dequant(q, scale))
+    # Within e4m3 error: 3 mantissa bits (relative 2^-4) above the block's subnormal floor.
+    floor = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200] * 2.0**-9
+    assert ((sd["layer.weight"] - w).abs() <= w.abs() * 2.0**-4 + floor).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        dequantize_fp8_block(q, scale[:, :1])
+    safetensors_torch.save_file({"layer.weight": q}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no layer.weight_scale_inv"):
+        read_hf_state_dict(tmp_path)
+
+
+def test_dcp_hf_round_trip_is_identity(tmp_path):
+    args = tiny_args(mtp_depth=1)
+    torch.manual_seed(1)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    with torch.no_grad():
+        for layer in model.layers.values():
+            if layer.moe_enabled:
+                layer.ffn.expert_bias.normal_(0.0, 0.1)
+    native = model.state_dict()
+    save_model_checkpoint(native, tmp_path / "dcp", args)
+
+    files = convert_hf.export_hf(tmp_path / "dcp", tmp_path / "hf", max_shard_gb=64 * 1024 / 1024**3)
+    assert len(files) > 1
+    index = json.loads((tmp_path / "hf" / INDEX_FILE).read_text())
+    assert {f.name for f in files} == set(index["weight_map"].values())
+    assert read_hf_config(tmp_path / "hf") == json.loads(json.dumps(to_hf_config(args)))
+
+    back = read_model_state_dict(convert_hf.import_hf(tmp_path / "hf", tmp_path / "dcp2"))
+    assert back.keys() == native.keys()
+    for key, tensor in native.items():
+        assert torch.equal(back[key], tensor), key
+
+
+def random_hf_model(args: DeepSeekV3ModelArgs):
+    config = transformers.DeepseekV3Config(**to_hf_config(args))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param)) if "norm" in name else param.normal_(0.0, 0.1)
+        for layer in model.model.layers[args.n_dense_layers:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(args.moe.num_experts))
+    return model
+
+
+def our_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    args = args_from_hf_config(read_hf_config(folder))
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    load_hf_weights(folder, model, args)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_imported_logits_match_transformers(tmp_path):
+    hf_model = random_hf_model(tiny_args())
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / INDEX_FILE).is_file()
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+    ours = our_logits(tmp_path / "hf", tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+
+    # The same weights FP8-quantised (every projection matrix, as DeepSeek ships them): our import
+    # dequantises; transformers gets the reference dequantisation of the same file.
+    hf_sd = read_hf_state_dict(tmp_path / "hf")
+    fp8_sd, dequant_sd = {}, {}
+    for key, w in hf_sd.items():
+        if w.ndim == 2 and "proj" in key:
+            q, scale = quantize_fp8_block(w.float())
+            fp8_sd[key], fp8_sd[key + "_scale_inv"] = q, scale
+            dequant_sd[key] = reference_dequant(q, scale)
+        else:
+            fp8_sd[key] = dequant_sd[key] = w
+    for name, sd in (("fp8", fp8_sd), ("dequant", dequant_sd)):
+        (tmp_path / name).mkdir()
+        safetensors_torch.save_file(sd, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    ref_model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "dequant", attn_implementation="eager")
+    with torch.no_grad():
+        ref8 = ref_model.eval()(tokens).logits
+    ours8 = our_logits(tmp_path / "fp8", tokens)
+    assert ((ours8 - ref8).abs().max() / ref8.abs().max()).item() <= 1e-4
+    assert not torch.equal(ours8, ours)  # quantisation did change the weights

@@ -1,0 +1,131 @@
+"""Stopping a run cleanly: SIGTERM/SIGINT and a wall-clock limit ask the loop to save and exit at
+the next step boundary, and a guard skips optimizer steps whose loss or gradient norm is not finite.
+
+Both decisions must be the same on every rank (a rank that stops or skips alone deadlocks the
+others in their next collective), so each takes an optional `agree` function that a parallel run
+sets to a MAX all-reduce over all ranks; a single process needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("trainer")
+
+Agree = Callable[[bool], bool]
+
+
+def all_ranks_any(flag: bool) -> bool:
+    """True when `flag` is true on any rank (a MAX all-reduce; the identity without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    # A CPU tensor when gloo is registered (also as `cpu:gloo,cuda:nccl`); NCCL alone needs CUDA.
+    backend = str(dist.get_backend())
+    on_cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT and a time limit into a flag the training loop polls between steps.
+
+    The handlers only set a flag: saving from inside a signal handler could interrupt a
+    collective or a half-written tensor. A second SIGINT (an impatient Ctrl-C) restores the
+    default handler's behaviour and raises KeyboardInterrupt at once.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, time_limit_minutes: float = 0.0, agree: Agree = all_ranks_any):
+        self.deadline = time.monotonic() + 60.0 * time_limit_minutes if time_limit_minutes > 0 else None
+        self.time_limit_minutes = time_limit_minutes
+        self.agree = agree
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequest:
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:
+                # Not the main thread (e.g. a test runner thread): rely on the time limit only.
+                logger.warning("cannot install a %s handler outside the main thread", signal.Signals(sig).name)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = name
+
+    def reason(self) -> str | None:
+        """Why the run should stop now (same answer on every rank), or None to go on."""
+        local = None
+        if self.signal_name is not None:
+            local = f"received {self.signal_name}"
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            local = f"time limit of {self.time_limit_minutes:g} minutes reached"
+        if not self.agree(local is not None):
+            return None
+        return local or "another rank asked to stop"
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite steps; the run stops without saving."""
+
+
+class NonFiniteGuard:
+    """Decides, before `optimizer.step()`, whether a step's loss and gradient norm are finite.
+
+    A non-finite step is skipped by the caller (gradients dropped, no optimizer step, so no MoE
+    bias update either). `max_consecutive` skipped steps in a row raise `TrainingDiverged`: a
+    single bad batch is survivable, a run that keeps producing NaN is broken. `total` counts every
+    skip of the run and is saved with the checkpoint.
+    """
+
+    def __init__(self, max_consecutive: int, agree: Agree = all_ranks_any):
+        self.max_consecutive = max_consecutive
+        self.agree = agree
+        self.consecutive = 0
+        self.total = 0
+
+    def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
+        bad = self.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+        if not bad:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        self.total += 1
+        logger.warning(
+            "step %d: non-finite loss %s / grad norm %s; optimizer step skipped (%d in a row, %d in total, "
+            "limit %d in a row)",
+            step, loss, grad_norm, self.consecutive, self.total, self.max_consecutive,
+        )
+        if self.consecutive >= self.max_consecutive:
+            raise TrainingDiverged(
+                f"step {step}: {self.consecutive} consecutive steps with a non-finite loss or gradient norm "
+                f"(training.max_skipped_steps = {self.max_consecutive}); stopping without saving. Resume from "
+                "the last checkpoint with a lower learning rate, or check the data near this step."
+            )
+        return True
+
+    def state_dict(self) -> dict:
+        return {"skipped_total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total = int(state.get("skipped_total", 0))

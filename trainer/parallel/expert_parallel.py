@@ -1,0 +1,215 @@
+"""Expert parallelism: routed experts split over the "ep" mesh, tokens moved by all-to-all.
+
+``apply_expert_parallel`` keeps the model code single-device: each MoE's ``GroupedExperts``
+gets plain parameters holding only this rank's ``E / ep`` experts (rank r owns experts
+``[r * E/ep, (r+1) * E/ep)``; names unchanged, dim 0 shrunk), and ``MoE.dispatcher`` becomes an
+``AllToAllTokenDispatcher`` over the ep group. Routing, counting (``tokens_per_expert`` over all
+E experts, per rank) and the shared experts are untouched; FSDP then shards the local expert
+weights over the "efsdp" mesh.
+
+Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py``):
+  dispatch: sort (token, choice) rows by global expert -> rows are rank-major (experts are
+  contiguous per rank) -> exchange per-expert counts (all_to_all_single, then one host sync
+  for the split sizes) -> all_to_all the rows (autograd) -> permute the received rows from
+  [source rank, local expert] order to [local expert, source rank] order for the grouped GEMM.
+  combine: the inverse permutation, the reverse all_to_all, then the local unsort and the
+  gate-weighted K-sum exactly as ``LocalTokenDispatcher`` does it (same numbers per token).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from models.moe import MoE
+from models.moe.dispatcher import TokenDispatcher
+
+EP_COMM_BACKENDS = ("all_to_all", "deepep")
+
+
+class _A2AContext(NamedTuple):
+    unsort: torch.Tensor  # [T * K] position of each (token, choice) in the sorted send rows
+    top_scores: torch.Tensor  # [T, K] fp32 gate values
+    expert_major: torch.Tensor  # [N_recv] received row index of each expert-major row
+    input_splits: list[int]  # rows sent to each ep rank
+    output_splits: list[int]  # rows received from each ep rank
+
+
+class AllToAllTokenDispatcher(TokenDispatcher):
+    """Token dispatcher over an expert-parallel process group.
+
+    Args:
+        num_experts: routed experts of the layer (global).
+        ep_group: the "ep" mesh's process group.
+        ep_rank, ep_size: this rank's index in it and its size.
+    """
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, ep_rank: int, ep_size: int):
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the ep degree {ep_size}")
+        self.num_experts = num_experts
+        self.group = ep_group
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+
+    @property
+    def local_expert_range(self) -> tuple[int, int]:
+        """[first, last) global expert ids held by this rank (what the checkpoint code needs
+        to map the local expert weights to the global ones)."""
+        start = self.ep_rank * self.num_local_experts
+        return start, start + self.num_local_experts
+
+    @torch.compiler.disable
+    def dispatch(
+        self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, _A2AContext]:
+        top_k = selected_experts.shape[1]
+        flat_experts = selected_experts.reshape(-1)  # [T * K], token-major
+        # Stable: each expert's rows stay in token order, as in LocalTokenDispatcher.
+        order = torch.argsort(flat_experts, stable=True)
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        send_counts = torch.bincount(flat_experts, minlength=self.num_experts)  # [E], rank-major
+        recv_counts = torch.empty_like(send_counts)
+        # recv_counts.view(ep, E_local)[s, e]: rows source rank s sends to my local expert e.
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_rank = send_counts.view(self.ep_size, self.num_local_experts)
+        recv_rank = recv_counts.view(self.ep_size, self.num_local_experts)
+        # One host sync for both split lists (the all-to-all needs them in Python).
+        splits = torch.cat([send_rank.sum(1), recv_rank.sum(1)]).tolist()
+        input_splits, output_splits = splits[: self.ep_size], splits[self.ep_size :]
+
+        send_x = x.index_select(0, order // top_k)
+        recv_x = funcol.all_to_all_single_autograd(send_x, output_splits, input_splits, self.group)
+        # Received rows are [source rank][local expert]; the grouped GEMM wants [local expert].
+        local_expert_of_row = torch.repeat_interleave(
+            torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size), recv_counts
+        )
+        expert_major = torch.argsort(local_expert_of_row, stable=True)
+        routed_x = recv_x.index_select(0, expert_major)
+        torch._dynamo.maybe_mark_dynamic(routed_x, 0)
+        num_tokens_per_expert = recv_rank.sum(0)
+        return routed_x, num_tokens_per_expert, _A2AContext(unsort, top_scores, expert_major, input_splits, output_splits)
+
+    @torch.compiler.disable
+    def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
+        num_tokens, dim = out_shape
+        top_k = ctx.top_scores.shape[1]
+        source_major = torch.empty_like(ctx.expert_major).scatter_(
+            0, ctx.expert_major, torch.arange(ctx.expert_major.numel(), device=routed_out.device)
+        )
+        back = funcol.all_to_all_single_autograd(
+            routed_out.index_select(0, source_major), ctx.input_splits, ctx.output_splits, self.group
+        )
+        per_choice = back.index_select(0, ctx.unsort).view(num_tokens, top_k, dim)
+        # Same rounding as LocalTokenDispatcher: fp32 product, one cast, K-sum.
+        weighted = (per_choice.float() * ctx.top_scores.unsqueeze(-1)).to(routed_out.dtype)
+        return weighted.sum(dim=1)
+
+
+def check_ep_comm_backend(backend: str, device_type: str) -> None:
+    """Fails with a clear message for a backend that cannot run here."""
+    if backend not in EP_COMM_BACKENDS:
+        raise ValueError(
+            f"parallelism.expert_parallel_comm_backend must be one of {EP_COMM_BACKENDS}, got {backend!r}"
+        )
+    if backend == "deepep":
+        problems = []
+        if device_type != "cuda":
+            problems.append("it needs CUDA devices (this run is on " + device_type + ")")
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError:
+            problems.append("the deep_ep package is not installed (https://github.com/deepseek-ai/DeepEP)")
+        problems.append("and the DeepEP dispatcher is not implemented in this trainer yet")
+        raise ValueError(
+            "parallelism.expert_parallel_comm_backend = 'deepep' cannot run: "
+            + "; ".join(problems)
+            + "; use 'all_to_all'"
+        )
+
+
+def _shrink_to_local(param: nn.Parameter, start: int, stop: int) -> nn.Parameter:
+    """A new parameter holding rows [start, stop) of dim 0 (meta tensors stay meta)."""
+    if param.device.type == "meta":
+        local = torch.empty((stop - start, *param.shape[1:]), dtype=param.dtype, device="meta")
+    else:
+        local = param.detach()[start:stop].clone()
+    return nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
+    """Splits every MoE's routed experts over ``ep_mesh`` and swaps in the all-to-all dispatcher.
+
+    Run before FSDP, on the meta-device model (real tensors are sliced too, which the tests use).
+    Returns the MoE modules it changed.
+    """
+    group = ep_mesh.get_group()
+    ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
+    changed = []
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        dispatcher = AllToAllTokenDispatcher(module.num_experts, group, ep_rank, ep_size)
+        start, stop = dispatcher.local_expert_range
+        experts = module.experts
+        for name in ("w1", "w2", "w3"):
+            setattr(experts, name, _shrink_to_local(getattr(experts, name), start, stop))
+        experts.num_experts = dispatcher.num_local_experts
+        module.dispatcher = dispatcher
+        changed.append(module)
+    return changed
+
+
+def expert_parallel_params(model: nn.Module) -> dict[int, list[dist.ProcessGroup]]:
+    """``id(param) -> [ep group]`` for routed-expert weights split by ``apply_expert_parallel``:
+    their local values are disjoint shards over ep, which the gradient norm must sum over."""
+    out: dict[int, list[dist.ProcessGroup]] = {}
+    for module in model.modules():
+        if isinstance(module, MoE) and isinstance(module.dispatcher, AllToAllTokenDispatcher):
+            for p in module.experts.parameters():
+                out[id(p)] = [module.dispatcher.group]
+    return out
+
+
+def _blocks_with_moe(model: nn.Module):
+    blocks = list(model.layers.values())
+    if getattr(model, "mtp", None) is not None:
+        blocks += [m.block for m in model.mtp]
+    for block in blocks:
+        ffn = getattr(block, "ffn", None)
+        if isinstance(ffn, MoE) and isinstance(ffn.dispatcher, AllToAllTokenDispatcher):
+            yield block, ffn
+
+
+@torch.no_grad()
+def init_expert_weights(model: nn.Module, seed: int) -> None:
+    """Re-draws the local routed experts so that each *global* expert gets its own values.
+
+    After ``apply_expert_parallel`` every ep rank holds different experts in same-shaped
+    tensors, and a sharded random init (DTensor's RNG is synchronised over the FSDP mesh only)
+    would give expert ``r * E_local + i`` the same weights on every ep rank r. Here expert g of
+    layer l is drawn on the CPU from its own generator seeded by (seed, l, g), with the
+    distribution of ``GroupedExperts.init_weights``: independent of the layout, identical on
+    the FSDP ranks that share the experts. CPU runs instead copy the single-process weights
+    (``parallelize.load_full_state_dict``).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for block, moe in _blocks_with_moe(model):
+        start, stop = moe.dispatcher.local_expert_range
+        for k, (name, std) in enumerate((("w1", 0.02), ("w2", block.weight_init_std), ("w3", block.weight_init_std))):
+            param = getattr(moe.experts, name)
+            values = torch.empty(param.shape, dtype=torch.float32)
+            for i, expert in enumerate(range(start, stop)):
+                gen = torch.Generator().manual_seed(((seed * 1_000_003 + block.layer_id) * 1_000_003 + expert) * 3 + k)
+                nn.init.trunc_normal_(values[i], mean=0.0, std=std, generator=gen)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(values.to(param.device), param.device_mesh, param.placements).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(values)

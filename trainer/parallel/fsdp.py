@@ -1,0 +1,174 @@
+"""FSDP2 / HSDP wrapping and a gradient-norm clip that works across several meshes.
+
+Wrapping (``apply_fsdp``): each transformer block (and MTP block) is one FSDP unit; with expert
+parallelism the routed experts of a block are their own unit on the expert mesh ("efsdp", or
+"ehsdp" with replication), everything else on "fsdp" ("hsdp" with replication); the root
+(embedding, final norm, head) is the last unit. Gradients are *summed*, not averaged: the
+loss is already divided by the global number of valid tokens (trainer/loss.py), so FSDP's
+default division by the data-parallel size would shrink them a second time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from models.moe import MoE
+
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _set_sum_reduction(module: FSDPModule) -> None:
+    # torch >= 2.8 names it set_gradient_divide_factor; older releases only had the
+    # reduce-scatter variant (deprecated since).
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(1.0)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            # A custom factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks; plain
+            # SUM is the same reduction here (factor 1).
+            module.set_force_sum_reduction_for_comms(True)
+    else:
+        module.set_reduce_scatter_divide_factor(1.0)
+
+
+def _reshard(policy: str, is_last: bool) -> bool:
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # default: the last unit's parameters are needed again right away by backward.
+    return not is_last
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dense_mesh,
+    expert_mesh=None,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+) -> None:
+    """Shards ``model`` in place.
+
+    Args:
+        dense_mesh: mesh for non-expert parameters ("fsdp" 1-D, or "hsdp" 2-D).
+        expert_mesh: mesh for routed experts when EP is on ("efsdp" or "ehsdp"); None = experts
+            are sharded with their block on ``dense_mesh``.
+        reshard_after_forward: "default" (all but the root), "always", "never".
+    """
+    if reshard_after_forward not in RESHARD_POLICIES:
+        raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    if getattr(model, "mtp", None) is not None:
+        blocks += [m for m in model.mtp]
+    units: list[FSDPModule] = []
+    expert_units: dict[int, FSDPModule] = {}
+    for i, block in enumerate(blocks):
+        reshard = _reshard(reshard_after_forward, is_last=False)
+        if expert_mesh is not None:
+            for sub in block.modules():
+                if isinstance(sub, MoE):
+                    fully_shard(sub.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
+                    _set_sum_reduction(sub.experts)
+                    expert_units[i] = sub.experts
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        _set_sum_reduction(block)
+        units.append(block)
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp)
+    _set_sum_reduction(model)
+
+    if expert_units:
+        # With EP the block's all-to-alls sit between its dense and expert all-gathers: fetch
+        # the next block and its experts explicitly so the gathers overlap the exchange
+        # (implicit prefetch would only start the next gather after the all-to-all returns).
+        for i, block in enumerate(units):
+            nxt = [units[i + 1]] if i + 1 < len(units) else []
+            if i + 1 in expert_units:
+                nxt.append(expert_units[i + 1])
+            if nxt:
+                block.set_modules_to_forward_prefetch(nxt)
+        for i in range(len(units) - 1, 0, -1):
+            prev = [units[i - 1]]
+            if i - 1 in expert_units:
+                prev.append(expert_units[i - 1])
+            units[i].set_modules_to_backward_prefetch(prev)
+
+
+def _shard_groups(param: torch.Tensor, extra: dict[int, list]) -> tuple:
+    """Process groups over which the local values of ``param`` are disjoint pieces."""
+    groups = []
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        for dim, placement in enumerate(param.placements):
+            # FSDP over a TP-sharded dim uses _StridedShard, which is not a Shard subclass.
+            if isinstance(placement, (Shard, _StridedShard)) and mesh.size(dim) > 1:
+                groups.append(mesh.get_group(dim))
+    groups += [g for g in extra.get(id(param), []) if dist.get_world_size(g) > 1]
+    return tuple(groups)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms. On CPU the fp32 norm kernels lose up to 4e-4 (relative) on an
+    8192 x 128 gradient, enough to make a sharded and an unsharded norm disagree, so CPU sums
+    in fp64; CUDA's tree reductions are accurate in fp32."""
+    if grads[0].is_cuda:
+        return torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)])
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).float()
+
+
+@torch.no_grad()
+def grad_norm(parameters: Iterable[torch.Tensor], sharded_over: dict[int, list] | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients of ``parameters``, wherever they live.
+
+    Parameters are grouped by the process groups their local gradient values are split over
+    (the Shard dims of a DTensor's mesh, plus ``sharded_over[id(param)]``, e.g. the ep group of
+    expert weights split by ``apply_expert_parallel``); each group's sum of squares is summed
+    over those groups, and the groups are added. Replicated dims are counted once.
+    ``torch.nn.utils.clip_grad_norm_`` cannot do this: it refuses DTensors on different meshes.
+    """
+    extra = sharded_over or {}
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    device = None
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = _local(p.grad)
+        device = g.device
+        by_groups.setdefault(_shard_groups(p, extra), []).append(g)
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, grads in by_groups.items():
+        sq = _norms(grads).square().sum()
+        for group in groups:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        total += sq
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, sharded_over: dict[int, list] | None = None
+) -> torch.Tensor:
+    """Scales gradients so their global L2 norm is at most ``max_norm`` (``inf`` = only
+    measure); returns the norm before clipping. See ``grad_norm``."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = grad_norm(params, sharded_over)
+    if math.isfinite(max_norm) and params:
+        # No host sync: the coefficient stays a tensor (1.0 when under the limit).
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([_local(p.grad) for p in params], coef.to(_local(params[0].grad).device))
+    return norm
