@@ -8,10 +8,16 @@ tensor parallelism splits attention heads, dense / shared-expert FFNs, embedding
 `wq_a`, `wkv_a`, norms and the router stay replicated over tp; routed experts are split over ep
 and FSDP-sharded over (dp_shard x cp) / ep, and replicated over tp (docs/parallelism.md). fp32
 master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two fp32 moments: 16 bytes per
-local parameter. Activations are bf16 estimates of the tensors autograd saves per token and
-layer (listed in `_layer_activation_bytes`); `--ac full` keeps each block's input plus one
-block's activations during recompute. Not modelled: allocator fragmentation, CUDA context and
-NCCL buffers (budget ~4-6 GiB), temporary buffers of kernels. Expect +-25%.
+local parameter. Activations are estimates of the tensors autograd saves per token and layer
+(listed in `_layer_activation_bytes`), in bf16 (`--mixed_precision bfloat16`, autocast) or fp32;
+`--ac full` keeps each block's input plus one block's activations during recompute.
+The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
+during backward while the saved activations are released, so the total holds parameters,
+optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
+(activations + logits + FSDP buffers).
+Not modelled: allocator fragmentation, CUDA context and NCCL buffers (budget ~4-6 GiB),
+temporary buffers of kernels. Checked against the debug flavor's measured peak on CPU
+(tests/unit/test_memory_estimate.py, within 15%); expect more spread on large GPU layouts.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.deepseek_v3 import DeepSeekV3ModelArgs, flavor_names, get_flavor  # noqa: E402
 
 GiB = 1024**3
-ACT_BYTES = 2  # bf16 activations (mixed_precision_param = "bfloat16")
+ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master, fp32 grads, AdamW m and v
 
 
@@ -51,8 +57,8 @@ def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
     return {"tp_split": split, "tp_replicated": repl, "experts": experts}
 
 
-def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int) -> float:
-    """bf16 bytes saved for backward per *local* token of one block (no checkpointing)."""
+def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
+    """Bytes saved for backward per *local* token of one block (no checkpointing)."""
     d, h = a.dim, a.n_heads
     heads = h / tp
     attn = (
@@ -71,13 +77,16 @@ def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int)
         ffn = d / tp + d + routed + shared + 2 * m.num_experts  # norm in/out, fp32 router scores
     else:
         ffn = d / tp + d + 4 * a.inter_dim / tp
-    return (attn + ffn) * ACT_BYTES
+    return (attn + ffn) * act_bytes
 
 
 def estimate(
-    flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str
+    flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
+    mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None,
 ) -> dict:
-    a = get_flavor(flavor)
+    """``model_args`` replaces the flavor's preset (e.g. the trainer's, with the tokenizer's vocabulary)."""
+    a = model_args or get_flavor(flavor)
+    act_bytes = ACT_BYTES[mixed_precision]
     if seq_len % (2 * cp) and cp > 1:
         raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
     fsdp = dp_shard * cp
@@ -97,33 +106,42 @@ def estimate(
     local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
     states = {k: local * v / GiB for k, v in STATE_BYTES.items()}
 
-    # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in bf16,
-    # and the block being reduced holds its fp32 unsharded gradient.
+    # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
+    # param dtype, and the block being reduced holds its fp32 unsharded gradient. Without
+    # sharding (one data rank) there is no FSDP wrap and no such buffer.
     biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"])
     unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep
-    transient = unsharded * (2 * 2 + 4) / GiB
+    transient = unsharded * (2 * act_bytes + 4) / GiB if fsdp > 1 else 0.0
 
     tokens = local_batch_size * seq_len / cp  # local tokens per GPU
     per_layer = [
-        _layer_activation_bytes(a, moe=i >= a.n_dense_layers, tp=tp, cp=cp) * tokens
+        _layer_activation_bytes(a, moe=i >= a.n_dense_layers, tp=tp, cp=cp, act_bytes=act_bytes) * tokens
         for i in range(a.n_layers + a.mtp_depth)
     ]
     if ac == "full":
-        act = len(per_layer) * tokens * a.dim / tp * ACT_BYTES + max(per_layer)
+        act = len(per_layer) * tokens * a.dim / tp * act_bytes + max(per_layer)
     else:
         act = sum(per_layer)
-    # bf16 logits, their fp32 upcast in the loss and its fp32 gradient, per head use (main + MTP).
-    logits = (1 + a.mtp_depth) * tokens * a.vocab_size / tp * (ACT_BYTES + 4 + 4)
+    # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
+    logits = (1 + a.mtp_depth) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4)
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB}
+    # At the end of backward, while (nearly) all gradients are live: the embedding's dense
+    # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
+    # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
+    backward_tmp = 2 * a.vocab_size * a.dim / tp * 4 / GiB
     result = {
         "flavor": flavor,
         "layout": {"dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep, "efsdp": efsdp,
-                   "gpus": dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac},
+                   "gpus": dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
+                   "mixed_precision": mixed_precision},
         "params_total_B": total / 1e9,
         "params_per_gpu_B": local / 1e9,
-        "gib": {**states, "fsdp_unsharded_block": transient, **activations},
+        "gib": {**states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations},
     }
-    result["gib"]["total"] = sum(result["gib"].values())
+    g = result["gib"]
+    g["total"] = g["params"] + g["optimizer"] + max(
+        g["grads"] + g["backward_temporaries"], g["fsdp_unsharded_block"] + g["layers"] + g["logits_and_loss"]
+    )
     return result
 
 
@@ -137,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--local_batch_size", type=int, default=1, help="sequences per data rank per micro-batch")
     p.add_argument("--ac", choices=("full", "none"), default="full")
+    p.add_argument("--mixed_precision", choices=tuple(ACT_BYTES), default="bfloat16",
+                   help="activation dtype: training.mixed_precision_param")
     p.add_argument("--gpu_gib", type=float, default=80.0, help="device memory to compare against")
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
     try:
-        r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size, args.ac)
+        r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size, args.ac,
+                     args.mixed_precision)
     except ValueError as e:
         p.error(str(e))
     if args.json:
@@ -152,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{lay['cp']} x tp {lay['tp']}, ep {lay['ep']} (efsdp {lay['efsdp']}); seq_len {lay['seq_len']}, "
           f"local batch {lay['local_batch_size']}, AC {lay['ac']}")
     print(f"  parameters per GPU        {r['params_per_gpu_B']:8.3f} B")
-    for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"), ("optimizer", "AdamW states"),
+    for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"),
+                       ("backward_temporaries", "embed/head grad temps"), ("optimizer", "AdamW states"),
                        ("fsdp_unsharded_block", "FSDP unsharded blocks"), ("layers", "activations (blocks)"),
-                       ("logits_and_loss", "logits + loss"), ("total", "total")):
+                       ("logits_and_loss", "logits + loss"), ("total", "total (peak)")):
         print(f"  {label:<25} {r['gib'][key]:8.2f} GiB")
     verdict = "fits" if r["gib"]["total"] + 6 <= args.gpu_gib else "does NOT fit"
     print(f"  -> {verdict} in {args.gpu_gib:.0f} GiB with ~6 GiB for CUDA context, NCCL and fragmentation")

@@ -7,11 +7,12 @@ and `.metadata`, our `model_args.json` and, written last, the `COMPLETE` marker.
     optimizer      get_state_dict(optimizer): FQN-keyed, so it reshards like the model
     lr_scheduler   LambdaLR.state_dict()
     train_state    {"step", "skipped_total"}
-    rank_state_R   per rank R: data-loader position and RNG states (torch CPU/CUDA, python, numpy)
+    rank_state_R   per rank R: data-loader position and RNG states (torch CPU/CUDA, python, numpy);
+                   a run with another world size continues the saved rank that read its data shard
 
 Model and optimizer state come from `torch.distributed.checkpoint.state_dict`, so under FSDP2 /
-TP they are DTensors and DCP writes each rank's shards and reshards them on load into whatever
-layout the loading run has. A single process (no process group) uses the same code path.
+TP / EP they are DTensors and DCP writes each rank's shards and reshards them on load into whatever
+layout the loading run has (routed experts are DTensors of the global expert stack under EP). A single process (no process group) uses the same code path.
 
 Atomicity: DCP writes into `step-N.tmp`; only once its `.metadata` exists (DCP writes that after
 every rank's data) does rank 0 write `COMPLETE` and rename the folder to `step-N`. A run killed
@@ -23,6 +24,7 @@ the write finished, and the run waits for it before the next save and before exi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -58,6 +60,7 @@ COMPLETE = "COMPLETE"
 MODEL_ARGS = "model_args.json"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"step-(\d+)")
+_RANK_STATE = re.compile(r"rank_state_(\d+)\.")
 _TMP_SUFFIX = ".tmp"
 # Buffers that keep fp32 in a reduced-precision export: the routing bias moves in steps of
 # ~1e-3, below bf16's resolution at magnitudes near 1.
@@ -528,11 +531,18 @@ class CheckpointManager:
         state = self._full_state(saved_train_state)
         check_model_fits(info.path, state["model"], shapes)
         rank_key = self._rank_key()
-        if not any(k.startswith(rank_key + ".") for k in shapes):
-            # A different world size: the data position and RNG of this rank were never saved.
-            logger.warning("%s has no %s (saved with another world size): data order and RNG restart from the seed",
-                           info.path.name, rank_key)
-            del state[rank_key]
+        own = state.pop(rank_key)
+        saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := _RANK_STATE.match(k))})
+        world = 1 if _single_process() else dist.get_world_size()
+        if _read_marker(info.path).get("world_size", world) == world:
+            candidates = [self.rank] if self.rank in saved_ranks else []
+        else:
+            # Another world size: this rank's data shard may have been read by any saved rank
+            # (e.g. 1 process -> EP-as-CP 2, where both ranks read the one dp shard); load every
+            # rank's small state and continue from the one whose data loader fits this rank.
+            candidates = sorted(saved_ranks, key=lambda r: r != self.rank)  # own entry first
+        for r in candidates:
+            state[f"rank_state_{r}"] = copy.deepcopy(own)
         try:
             with _quiet_single_process():
                 dcp.load(state, storage_reader=dcp.FileSystemReader(str(info.path)), no_dist=_single_process())
@@ -540,16 +550,33 @@ class CheckpointManager:
             raise _Unreadable(_short_error(e)) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if rank_key in state:
-            try:
-                self.dataloader.load_state_dict(state[rank_key]["dataloader"])
-            except ValueError as e:
-                logger.warning("data loader position not restored: %s", e)
-            _set_rng_state(state[rank_key]["rng"], self.device)
+        self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
         train_state = state["train_state"]
         self._last_saved_step = int(train_state["step"])
         logger.info("resumed from %s (step %d) in %.2fs", info.path, train_state["step"], time.perf_counter() - start)
         return train_state
+
+    def _restore_rank_state(self, saved: list[tuple[int, dict]], name: str) -> None:
+        """Data position and RNG from the first saved rank whose data loader state fits this
+        rank (same data shard: same dp rank and dp degree), this rank's own entry first."""
+        errors = []
+        for r, rank_state in saved:
+            try:
+                self.dataloader.load_state_dict(rank_state["dataloader"])
+            except ValueError as e:
+                errors.append(f"rank {r}: {e}")
+                continue
+            if r != self.rank:
+                logger.info("%s: data position and RNG taken from saved rank %d (same data shard)", name, r)
+            _set_rng_state(rank_state["rng"], self.device)
+            return
+        if not saved:
+            logger.warning("%s has no %s (saved with another world size): data order and RNG restart from the seed",
+                           name, self._rank_key())
+            return
+        logger.warning("data loader position not restored: %s", "; ".join(errors))
+        if saved[0][0] == self.rank:
+            _set_rng_state(saved[0][1]["rng"], self.device)
 
     def _initial_load(self) -> None:
         cfg = self.cfg

@@ -104,7 +104,9 @@ class Engram(Section):
     seed: int = _field(0, "Seed of the hash multipliers (identical on every rank)")
     lr_multiplier: float = _field(5.0, "Table learning rate = optimizer.lr x this")
     weight_decay: float = _field(0.0, "Weight decay of the tables")
-    embedding_parallel_degree: int = _field(1, "Ranks the table rows are split over; 1 = unsharded")
+    embedding_parallel_degree: int = _field(
+        1, "Ranks the table rows are split over (of those seeing different tokens); 1 = unsharded, -1 = all"
+    )
     mesh_name: str = _field("engram", "Named device mesh the table rows are split over")
     precompute: bool = _field(True, "Exchange the lookups of all Engram layers together, once per step")
     offload_optimizer_state: bool = _field(False, "Keep the tables' Adam state in CPU memory and update there")
@@ -119,7 +121,11 @@ class Engram(Section):
             (self.max_ngram >= 2, f"engram.max_ngram must be >= 2, got {self.max_ngram}."),
             *(
                 (getattr(self, key) >= 1, f"engram.{key} must be >= 1, got {getattr(self, key)}.")
-                for key in ("heads_per_order", "head_dim", "embedding_parallel_degree")
+                for key in ("heads_per_order", "head_dim")
+            ),
+            (
+                self.embedding_parallel_degree >= 1 or self.embedding_parallel_degree == -1,
+                f"engram.embedding_parallel_degree must be >= 1 or -1 (all data ranks), got {self.embedding_parallel_degree}.",
             ),
             (self.base_size >= 2, f"engram.base_size must be >= 2, got {self.base_size}."),
             (self.lr_multiplier > 0, f"engram.lr_multiplier must be > 0, got {self.lr_multiplier}."),
@@ -345,6 +351,59 @@ class ActivationCheckpoint(Section):
 
 
 @dataclass
+class Profiling(Section):
+    enable_profiling: bool = _field(False, "Record torch.profiler traces of profile_steps steps from profile_start_step")
+    profile_start_step: int = _field(3, "First profiled step (after warm-up steps, so compile and caches are settled)")
+    profile_steps: int = _field(2, "Number of consecutive steps in the trace")
+    ranks: list[int] = _field([0], "Ranks that write traces and memory snapshots")
+    traces_folder: str = _field("profile_traces", "Trace and snapshot folder, relative to the run folder")
+    profile_memory: bool = _field(False, "Also record tensor allocations in the trace (slower, larger trace)")
+    memory_snapshot_step: int = _field(-1, "CUDA only: dump an allocator memory snapshot after this step; -1 = never")
+    memory_snapshot_on_oom: bool = _field(False, "CUDA only: record allocation history and dump a snapshot on OOM")
+    step_breakdown: bool = _field(
+        False, "Log per-step time split: data wait, forward+backward, reductions+clipping, optimizer (syncs CUDA)"
+    )
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (
+                self.profile_start_step >= 1,
+                f"profiling.profile_start_step must be >= 1, got {self.profile_start_step}.",
+            ),
+            (self.profile_steps >= 1, f"profiling.profile_steps must be >= 1, got {self.profile_steps}."),
+            (
+                self.memory_snapshot_step == -1 or self.memory_snapshot_step >= 1,
+                f"profiling.memory_snapshot_step must be -1 (never) or a step >= 1, got {self.memory_snapshot_step}.",
+            ),
+            (all(r >= 0 for r in self.ranks), f"profiling.ranks must be ranks >= 0, got {self.ranks}."),
+        )
+
+
+@dataclass
+class Quantize(Section):
+    float8: bool = _field(False, "Train nn.Linear layers with float8 matmuls (torchao; CUDA SM89+)")
+    recipe: str = _field(
+        "tensorwise", "torchao float8 scaling recipe of the Linear layers",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    filter_fqns: list[str] = _field(
+        ["router", "gate", "head"], "Modules whose name contains any of these stay in high precision"
+    )
+    float8_experts: bool = _field(
+        False, "Also run the routed experts' grouped GEMMs in float8 (torchao MoE training; CUDA SM90+)"
+    )
+    emulate: bool = _field(False, "Emulate float8 matmuls in high precision (CPU tests; no speed-up)")
+
+    def problems(self) -> list[str]:
+        return _failed(
+            (
+                self.float8 or not self.float8_experts,
+                "quantize.float8_experts = true needs quantize.float8 = true; add --quantize.float8.",
+            ),
+        )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -357,6 +416,8 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    profiling: Profiling = field(default_factory=Profiling)
+    quantize: Quantize = field(default_factory=Quantize)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> JobConfig:

@@ -130,6 +130,9 @@ class MetricsLogger:
             parts.append(f"moe max/mean {r['moe_imbalance']:.2f}")
         if "data_wait_pct" in r:
             parts.append(f"data {r['data_wait_pct']:.1f}%")
+        if "time/forward_backward_ms" in r:  # [profiling] step_breakdown
+            labels = (("data_wait", "data"), ("forward_backward", "fwd+bwd"), ("reduce_clip", "clip"), ("optimizer", "opt"))
+            parts.append("ms " + " ".join(f"{short} {r[f'time/{key}_ms']:.1f}" for key, short in labels))
         return "  ".join(parts)
 
     def close(self) -> None:

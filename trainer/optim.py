@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
 from models.moe import moe_modules, update_expert_bias
-from trainer.parallel.engram_parallel import offload_engram_group
+from trainer.parallel.engram_parallel import offload_engram_group, register_table_state_hooks
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -34,7 +34,9 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     Matrices and embeddings decay; 1-D parameters (norm scales) do not, as in Megatron
     and nanoGPT: decaying a norm scale towards zero only fights the next layer.
     Engram tables (``[engram]`` section) get their own group, tagged ``"engram": True``:
-    LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam).
+    LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam). Their state
+    is checkpointed in a layout-independent form (row-sharded over the engram mesh, also when
+    it lives on the CPU with ``offload_optimizer_state``).
     """
     tables = engram_table_params(model) if engram_cfg is not None and engram_cfg.enable else []
     table_ids = {id(p) for p in tables}
@@ -70,6 +72,8 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
         raise ValueError(f"optimizer.name must be AdamW or Adam, got {opt_cfg.name!r}")
     if tables and engram_cfg.offload_optimizer_state:
         offload_engram_group(optimizer)
+    if tables:
+        register_table_state_hooks(optimizer, model)
     return optimizer
 
 

@@ -43,6 +43,7 @@ from trainer.metrics import (
     throughput_record,
 )
 from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.profiling import Profiler, StepBreakdown
 from trainer.parallel.distributed import (
     destroy_distributed,
     init_distributed,
@@ -51,13 +52,12 @@ from trainer.parallel.distributed import (
     local_rank_from_env,
 )
 from trainer.parallel.expert_parallel import init_expert_weights
-from trainer.parallel.fsdp import clip_grad_norm_
+from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
 from trainer.parallel.parallelize import (
     build_reduce_counts,
-    gradient_shard_groups,
     load_full_state_dict,
     parallelize_model,
 )
@@ -74,14 +74,9 @@ def check_unavailable_features(cfg: JobConfig, world_size: int) -> ParallelDims:
     and fails up front on options that parse but whose implementation has not landed yet."""
     p = cfg.parallelism
     try:
-        dims = ParallelDims.from_config(p, world_size)
+        dims = ParallelDims.from_config(p, world_size, cfg.engram)
     except ParallelDimsError as e:
         raise ConfigError(f"[parallelism] {e}") from None
-    if (dims.tp_enabled or dims.context_enabled) and cfg.validation.enable:
-        raise ConfigError(
-            f"validation does not run under tensor / context parallelism yet (tp={p.tp}, cp={p.cp}, "
-            f"ep_as_cp={p.ep_as_cp}); use --no-validation.enable"
-        )
     if p.expert_parallel_comm_backend != "all_to_all" and dims.ep_enabled:
         raise ConfigError(
             f"parallelism.expert_parallel_comm_backend = {p.expert_parallel_comm_backend!r} is not available yet; "
@@ -128,16 +123,6 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
 
 def build_engram_args(cfg: JobConfig) -> EngramArgs:
     e = cfg.engram
-    if e.embedding_parallel_degree > 1:
-        raise ConfigError(
-            f"engram.embedding_parallel_degree = {e.embedding_parallel_degree}: the sharded table "
-            "(trainer/parallel/engram_parallel.py) is not wired into the trainer yet; use 1"
-        )
-    if e.offload_optimizer_state and cfg.checkpoint.enable:
-        raise ConfigError(
-            "engram.offload_optimizer_state = true with checkpoint.enable = true: checkpoints do not hold "
-            "the CPU-resident table optimizer state yet; use --no-engram.offload_optimizer_state"
-        )
     return EngramArgs(
         layer_ids=tuple(e.layer_ids), max_ngram=e.max_ngram, heads_per_order=e.heads_per_order,
         base_size=e.base_size, head_dim=e.head_dim, seed=e.seed,
@@ -253,6 +238,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops_for(self.device, cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, cfg.to_dict(), t.steps, enabled=is_rank0())
+        self.profiler = Profiler(cfg.profiling, self.run_dir, self.device)
+        self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
         self.step = 0
         self._log_run_header(tokenizer_path, global_batch)
         self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
@@ -288,7 +275,24 @@ class Trainer:
                 infinite=False,
             )
 
-        return Validator(build_loader, v.steps, self.device, self.autocast, self._validation_all_reduce())
+        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self._validation_all_reduce())
+
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count
+        for one full batch, in the run's layout: the context split and loss parallelism are
+        applied as in `train_step`, so the sums over the "loss" mesh are the global ones."""
+        hasher = self.model.engram_hasher
+        engram_ids = hasher(inputs) if hasher is not None else None
+        extra = {}
+        if self.context_parallel is not None:
+            shard = self.context_parallel.shard_batch(inputs, labels)
+            inputs, labels = shard.tokens, shard.labels
+            extra = {"positions": shard.positions, "attn_mask": shard.attn_mask}
+        tp = self.parallel_dims.tp_enabled
+        with self.autocast(), maybe_loss_parallel(tp):
+            logits = self.model(inputs, engram_ids=engram_ids, **extra).logits
+            loss_sum = replicated_value(cross_entropy_sum(logits, labels))
+        return loss_sum, count_valid(labels)
 
     def _validation_all_reduce(self):
         """Sum / min over the "loss" mesh for the validator (None on one rank)."""
@@ -395,6 +399,7 @@ class Trainer:
             with maybe_loss_parallel(tp):
                 objective.backward()
             loss_total += replicated_value(loss.detach())
+        self.breakdown.mark("forward_backward")
         max_norm = self.cfg.training.max_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         if tp:
@@ -402,9 +407,12 @@ class Trainer:
         if self.loss_mesh is not None:
             totals = all_reduce_sum(torch.stack([loss_total, mtp_total]), self.loss_mesh)
             loss_total, mtp_total = totals[0], totals[1]
+        reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
         # Parameters may live on several meshes (dense "fsdp", experts "efsdp" x "ep"), which
-        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU.
-        grad_norm = clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, gradient_shard_groups(self.model))
+        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU (and
+        # counts each row-sharded Engram table shard once).
+        grad_norm = clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
+        self.breakdown.mark("reduce_clip")
         lr = self.optimizer.param_groups[0]["lr"]
         # Checked before the step, so a NaN never reaches the weights (nor, through the
         # optimizer pre-hook, the MoE bias). The schedule still advances: LR stays a function of the step.
@@ -416,6 +424,7 @@ class Trainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.breakdown.mark("optimizer")
         stats = {"loss": float(loss_total), "grad_norm": float(grad_norm), "lr": lr}
         if depth:
             stats["mtp_loss"] = float(mtp_total)
@@ -448,12 +457,16 @@ class Trainer:
                 self.step += 1
                 if self.step % t.gc_freq == 0:
                     gc.collect()
+                self.profiler.step_begin(self.step)
                 step_start = time.perf_counter()
                 batches, data_wait = self.next_microbatches()
+                self.breakdown.begin(data_wait)
                 stats = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 window_time += time.perf_counter() - step_start
+                # After the clock: writing a trace or snapshot is not step time.
+                self.profiler.step_end(self.step)
                 window_wait += data_wait
                 window_steps += 1
                 stop_reason = stop.reason()
@@ -479,15 +492,20 @@ class Trainer:
                 )
                 record["memory_gib"] = peak_memory_gib(self.device)
                 record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
+                record.update(self.breakdown.window_record())
                 if not math.isfinite(stats["loss"]):
                     logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
                 if is_val:
                     record["val_loss"] = self.validate()
                 self.metrics.log(record)
                 window_time, window_wait, window_steps = 0.0, 0.0, 0
+        except torch.OutOfMemoryError:
+            self.profiler.on_oom(self.step)
+            raise
         finally:
             gc.enable()
             stop.uninstall()
+            self.profiler.close()
             self.checkpointer.wait()
         if stop_reason is not None:
             logger.info("stopped at step %d (%s); resume with the same command", self.step, stop_reason)

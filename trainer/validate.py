@@ -6,13 +6,10 @@ scores exactly the same batches and the values are comparable across steps.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
-
-from trainer.loss import cross_entropy_sum, count_valid
 
 
 class Validator:
@@ -21,16 +18,19 @@ class Validator:
         build_loader: Callable[[], object],
         max_batches: int,
         device: torch.device,
-        autocast: Callable[[], contextlib.AbstractContextManager],
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]],
         all_reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     ):
-        """``all_reduce(tensor, op)`` (op "sum" or "min") combines ranks in a parallel run:
+        """``loss_sum(inputs, labels)`` runs the model on one full batch and returns this
+        rank's summed next-token cross-entropy and its number of valid targets (the trainer's
+        ``eval_loss_sum``, which knows the parallel layout: context split, loss parallel).
+        ``all_reduce(tensor, op)`` (op "sum" or "min") combines ranks in a parallel run:
         every rank then runs the same number of batches (the fewest any rank has, since the
         model's collectives need all of them) and returns the global mean."""
         self.build_loader = build_loader
         self.max_batches = max_batches
         self.device = device
-        self.autocast = autocast
+        self.loss_sum = loss_sum
         self.all_reduce = all_reduce
 
     @torch.no_grad()
@@ -51,11 +51,9 @@ class Validator:
                 if batch is None:
                     break
                 inputs, labels = batch
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
-                with self.autocast():
-                    logits = model(inputs).logits
-                loss_sum += cross_entropy_sum(logits, labels).double()
-                n_tokens += count_valid(labels)
+                batch_sum, batch_tokens = self.loss_sum(inputs.to(self.device), labels.to(self.device))
+                loss_sum += batch_sum.double()
+                n_tokens += batch_tokens
         finally:
             model.train(was_training)
         if self.all_reduce is not None:

@@ -15,11 +15,16 @@ HF checkpoint layout (DeepSeek's released safetensors, and what `transformers` 5
     MTP depth k at model.layers.{n_layers + k}: the block's names above plus
     {enorm, hnorm, eh_proj, shared_head.norm}.weight and copies of the shared
     embed_tokens.weight / shared_head.head.weight.
+    Engram blocks (no `transformers` model has Engram; the names follow DeepSeek's reference
+    `engram_demo_v1.py` with one hyper-connection branch, hc_mult = 1, and no projection biases):
+    model.layers.N.engram.{multi_head_embedding.embedding, value_proj, key_projs.0, norm1.0,
+    norm2.0, short_conv.conv, short_conv.norms.0}.weight
 
 Rope needs no permutation: HF's `rope_interleave=True` (DeepSeek's own layout) rotates the same
 adjacent pairs as `models.common.rope` (see there).
 """
 
+import dataclasses
 import re
 
 import torch
@@ -52,6 +57,13 @@ _BLOCK = {
     "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "engram.table.weight": "engram.multi_head_embedding.embedding.weight",
+    "engram.wv.weight": "engram.value_proj.weight",
+    "engram.wk.weight": "engram.key_projs.0.weight",
+    "engram.key_norm.weight": "engram.norm1.0.weight",
+    "engram.query_norm.weight": "engram.norm2.0.weight",
+    "engram.conv.weight": "engram.short_conv.conv.weight",
+    "engram.conv_norm.weight": "engram.short_conv.norms.0.weight",
 }
 _TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in _TOP_LEVEL.items()}
 _BLOCK_FROM_HF = {hf: ours for ours, hf in _BLOCK.items()}
@@ -235,7 +247,9 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict:
     HF DeepseekV3 routes with sigmoid scores only, so softmax-routed args (the V2 shapes) raise.
     YaRN is written only when our args enable it (`max_seq_len > original_seq_len`), with
     `mscale == mscale_all_dim == args.mscale`: HF then leaves cos/sin unscaled and multiplies the
-    softmax scale by mscale**2, exactly DeepSeek's rule.
+    softmax scale by mscale**2, exactly DeepSeek's rule. A model with Engram gets an extra
+    `"engram"` entry (the `EngramArgs` fields; `transformers` ignores it): pass it back as
+    `args_from_hf_config(config, engram=config["engram"])`.
     """
     moe = args.moe
     if moe.score_func != "sigmoid":
@@ -290,4 +304,5 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict:
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "eos_token_id": args.eos_id,
+        **({"engram": dataclasses.asdict(args.engram)} if args.engram is not None else {}),
     }

@@ -11,12 +11,20 @@ Conventions (print them next to every MFU figure):
   (torchtitan's convention: QK^T and PV, forward + backward, *without* halving for the causal
   mask). With `include_mtp` the MTP modules count as extra layers and their second use of the
   shared output head is added (that is the work a training step does).
+* Engram (`args.engram`): its tables count in the total like an embedding; per token only the
+  (N-1) x K looked-up rows (`memory_dim` values per Engram layer) are active, and they are no
+  matmul, so they are left out of the FLOPs like the embedding. The rest of an Engram module
+  (key/value projections, depthwise conv, norms) counts like any other weight.
 """
 
 import torch
 
 from models.deepseek_v3.args import DeepSeekV3ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
+
+
+def _is_engram_table(param_name: str) -> bool:
+    return param_name.endswith(".engram.table.weight")
 
 
 def _is_routed_expert(param_name: str) -> bool:
@@ -30,12 +38,17 @@ def _param_counts(args: DeepSeekV3ModelArgs) -> dict[str, float]:
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     expert_fraction = args.moe.top_k / args.moe.num_experts
-    counts = {"total": 0, "active": 0.0, "mtp_total": 0, "mtp_active": 0.0}
+    counts = {"total": 0, "active": 0.0, "mtp_total": 0, "mtp_active": 0.0, "engram_lookup": 0}
     for name, param in model.named_parameters():  # tied parameters are yielded once
         prefix = "mtp_" if name.startswith("mtp.") else ""
         n = param.numel()
         counts[prefix + "total"] += n
-        counts[prefix + "active"] += n * expert_fraction if _is_routed_expert(name) else n
+        if _is_engram_table(name):
+            # A token reads one row of each of the layer's (N-1) x K heads.
+            counts["engram_lookup"] += args.engram.memory_dim
+            counts[prefix + "active"] += args.engram.memory_dim
+        else:
+            counts[prefix + "active"] += n * expert_fraction if _is_routed_expert(name) else n
     counts["embedding"] = 0 if args.tie_embeddings else model.embed.weight.numel()
     counts["head"] = model.head.weight.numel()
     return counts
@@ -55,7 +68,7 @@ def flops_per_token(args: DeepSeekV3ModelArgs, seq_len: int, include_mtp: bool =
     """Training FLOPs (forward + backward) per token at sequence length `seq_len`; see the module
     docstring for the convention. `include_mtp` (default) counts the MTP modules that training runs."""
     c = _param_counts(args)
-    matmul_params = c["active"] - c["embedding"]
+    matmul_params = c["active"] - c["embedding"] - c["engram_lookup"]
     n_attn_layers = args.n_layers
     if include_mtp and args.mtp_depth > 0:
         matmul_params += c["mtp_active"] + args.mtp_depth * c["head"]

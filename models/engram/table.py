@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Rows drawn per seeded init block: initial values depend only on (seed, global row), so a table
 # sharded over any number of ranks starts from exactly the unsharded values.
@@ -48,19 +50,25 @@ class EngramTable(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        local_rows = self.weight.shape[0]
-        start, end = self.row_start, self.row_start + local_rows
+        weight, start = self.weight, self.row_start
+        if isinstance(weight, DTensor):
+            # A whole table sharded by FSDP (embedding_parallel_degree 1): fill the local rows
+            # from their global offset, so the values are again those of the unsharded table.
+            _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            weight, start = weight.to_local(), offset[0]
+        local_rows = weight.shape[0]
+        end = start + local_rows
         if local_rows == 0:
             return
         first_block, last_block = start // _INIT_BLOCK_ROWS, (end - 1) // _INIT_BLOCK_ROWS
-        gen = torch.Generator(device=self.weight.device)
+        gen = torch.Generator(device=weight.device)
         for block in range(first_block, last_block + 1):
             b_start = block * _INIT_BLOCK_ROWS
             b_rows = min(_INIT_BLOCK_ROWS, self.num_rows - b_start)
             gen.manual_seed(self.init_seed * 1_000_003 + block)
-            values = torch.randn(b_rows, self.head_dim, generator=gen, device=self.weight.device)
+            values = torch.randn(b_rows, self.head_dim, generator=gen, device=weight.device)
             lo, hi = max(start, b_start), min(end, b_start + b_rows)
-            self.weight[lo - start : hi - start].copy_(values[lo - b_start : hi - b_start] * self.init_std)
+            weight[lo - start : hi - start].copy_(values[lo - b_start : hi - b_start] * self.init_std)
 
     def extra_repr(self) -> str:
         return (

@@ -67,6 +67,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(w1, w2, w3)` as the forward computes with them: `[num_experts, ...]` tensors of the
+        experts this module runs. The one place the forward reads its weights, so that a
+        parallel wrapper storing them differently (expert parallelism keeps them as shards of
+        the global stack) can hand the same math its local tensors."""
+        return self.w1, self.w2, self.w3
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Applies expert e to its rows.
 
@@ -97,7 +104,7 @@ class GroupedExperts(nn.Module):
         # Rows past offsets[-1] (padding tail) come out uninitialised; they are never read back
         # and the weight gradients only sum rows inside the groups.
         # `.to` is a no-op unless autocast made x lower precision than the fp32 weights.
-        w1, w2, w3 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x.dtype).transpose(-2, -1) for w in self.stacked_weights())
         h = F.silu(torch._grouped_mm(x_in, w1, offs=offsets))
         h = h * torch._grouped_mm(x_in, w3, offs=offsets)
         out = torch._grouped_mm(h, w2, offs=offsets)
@@ -107,8 +114,9 @@ class GroupedExperts(nn.Module):
         # `.tolist()` syncs with the device and fixes the split sizes in Python: fine eagerly,
         # a graph break under compile (which is why grouped mm is the default).
         chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
+        w1, w2, w3 = self.stacked_weights()
         outs = [
-            F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e])
+            F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
             for e, chunk in enumerate(chunks)
         ]
         return torch.cat(outs, dim=0)

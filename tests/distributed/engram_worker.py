@@ -140,43 +140,89 @@ def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
         dist.destroy_process_group()
 
 
-def reference_table(num_rows: int, head_dim: int, layer: int) -> torch.Tensor:
-    """Distinct, non-initial values for checkpoint tests: row r, column c -> r + c / 10 + layer * 1000."""
-    return torch.arange(num_rows).unsqueeze(1) + torch.arange(head_dim) / 10 + layer * 1000.0
+class _NoData:
+    """The checkpointer's data-loader slot (batches here are a function of the step)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
-def run_checkpoint(rank: int, world: int, port: int, mode: str, ckpt_dir: str, queue) -> None:
-    """mode "save": tables set to `reference_table`, sharded over `world`, DCP-saved.
-    mode "load": a fresh model sharded over `world` loads that checkpoint; rows must match."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
+def global_batch(step: int) -> torch.Tensor:
+    """The step's 4 sequences, the same whatever the layout (each rank trains on its slice)."""
+    tokens = torch.randint(0, 12, (4, S), generator=torch.Generator().manual_seed(1000 + step))
+    tokens[:, :5] = torch.tensor([3, 4, 5, 3, 4])  # shared n-grams: ranks ask the same owners
+    return tokens
 
-    from trainer.parallel.engram_parallel import apply_engram_parallel
+
+def run_checkpoint(
+    rank: int, world: int, port: int, degree: int, mode: str, ckpt_dir: str, offload: bool, queue
+) -> None:
+    """Trainer path at embedding-parallel `degree` (FSDP2 over all `world` ranks, EP 2): model
+    from `parallelize_model`, optimizer from `build_optimizer`, checkpoints by
+    `CheckpointManager`, the step as `Trainer.train_step` does it. mode "save": 2 steps,
+    checkpoint, steps 3-4. mode "load": resume from that checkpoint, steps 3-4. Reports the
+    global losses of steps 3 and 4 and the table rows held."""
+    from trainer.checkpoint import CheckpointManager
+    from trainer.config import load_config
+    from trainer.lr_schedule import build_lr_scheduler
+    from trainer.optim import build_optimizer
+    from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
+    from trainer.parallel.parallel_dims import ParallelDims
+    from trainer.parallel.parallelize import load_full_state_dict, parallelize_model
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("engram",))
-        model = build_model()
+        cfg = load_config([
+            "--engram.enable", "--engram.layer_ids", "0,1", "--engram.embedding_parallel_degree", str(degree),
+            f"--engram.offload_optimizer_state={offload}", "--parallelism.ep", "2",
+            "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--optimizer.implementation", "for-loop",
+            "--checkpoint.enable", "--training.mixed_precision_param", "float32",
+        ])
+        dims = ParallelDims.from_config(cfg.parallelism, world, cfg.engram)
+        reference = build_model()
+        with torch.device("meta"):
+            model = DeepSeekV3Model(reference.args)
+        parallelize_model(model, dims, cfg, "cpu")
+        model.to_empty(device="cpu")
+        model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
+        load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights
+        hasher = build_hasher()
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
+        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=4)
+        checkpointer = CheckpointManager(
+            cfg.checkpoint, ckpt_dir, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            dataloader=_NoData(), model_args=reference.args, device=torch.device("cpu"),
+        )
+
+        def train_step(step: int) -> float:
+            rows = global_batch(step).chunk(world)[rank]
+            labels = torch.roll(rows, -1, dims=1)
+            out = model(rows, engram_ids=hasher(rows))
+            loss = cross_entropy_sum(out.logits, labels) / (4 * S)
+            loss.backward()
+            reduce_table_grads(model)
+            clip_grad_norm_with_tables([p for p in model.parameters() if p.grad is not None], 1.0, model)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            return float(total)
+
         if mode == "save":
-            with torch.no_grad():
-                for m in engram_modules(model):
-                    m.table.weight.copy_(reference_table(m.table.num_rows, m.table.head_dim, m.layer_id))
-                model.norm.weight.fill_(3.0)
-        apply_engram_parallel(model, mesh)
-        if mode == "save":
-            dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
+            for step in (1, 2):
+                train_step(step)
+            checkpointer.save(2, {"step": 2})
         else:
-            state = model.state_dict()
-            dcp.load(state, checkpoint_id=ckpt_dir)
-            model.load_state_dict(state)
-            assert torch.all(model.norm.weight == 3.0)
-            for m in engram_modules(model):
-                full = reference_table(m.table.num_rows, m.table.head_dim, m.layer_id)
-                start, n = m.table.row_start, m.table.weight.shape[0]
-                torch.testing.assert_close(m.table.weight.detach(), full[start : start + n], rtol=0, atol=0)
-        queue.put((rank, {"ok": True}))
+            assert int(checkpointer.load()["step"]) == 2
+        losses = [train_step(step) for step in (3, 4)]
+        rows = sum(m.table.weight.shape[0] for m in engram_modules(model))
+        queue.put((rank, {"losses": losses, "table_rows": rows, "num_rows": sum(m.table.num_rows for m in engram_modules(model))}))
     except Exception as e:
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise

@@ -102,7 +102,10 @@ def _global_batches(trainer, n: int):
 def run_layout(layout: str, workdir: str) -> dict:
     from trainer.train import Trainer
 
+    from torch._dynamo.utils import counters
+
     trainer = Trainer(_config(layout, os.path.join(workdir, layout)))
+    counters.clear()
     try:
         local = trainer.cfg.training.local_batch_size
         lo = trainer.dp_rank * local
@@ -112,33 +115,40 @@ def run_layout(layout: str, workdir: str) -> dict:
             stats = trainer.train_step([(inputs[lo : lo + local], labels[lo : lo + local])])
             losses.append(stats["loss"])
             norms.append(stats["grad_norm"])
-        return {"loss": losses, "grad_norm": norms, "dp_world": trainer.dp_world}
+        # Compiled layouts: where dynamo broke the MoE block graphs (reason -> count).
+        breaks = dict(counters["graph_break"]) if trainer.cfg.training.compile else None
+        return {"loss": losses, "grad_norm": norms, "dp_world": trainer.dp_world, "graph_breaks": breaks}
     finally:
         trainer.metrics.close()
 
 
-def check_expert_init(workdir: str) -> dict:
+def check_expert_init(layout: str, workdir: str) -> dict:
     """``init_expert_weights`` (the non-CPU init path under EP): every global expert gets its
-    own seeded values, so the two ep ranks' local experts differ and match a direct draw."""
-    import torch.distributed as dist
+    own seeded values. The experts are DTensors of the global stack (``Shard(0)`` on ep, FSDP on
+    top: with efsdp > 1 as ``_StridedShard``), so ``full_tensor`` gathers all E experts: each must
+    match its own direct draw, and the halves held by the two ep ranks must differ."""
     from torch import nn
+    from torch.distributed.tensor import DTensor, Shard
 
     from trainer.parallel.expert_parallel import init_expert_weights
     from trainer.train import Trainer
 
-    trainer = Trainer(_config("fsdp_2_ep_2", os.path.join(workdir, "expert_init")))
+    trainer = Trainer(_config(layout, os.path.join(workdir, "expert_init")))
     try:
         init_expert_weights(trainer.model, seed=7)
         block = trainer.model.layers["1"]
-        w1 = block.ffn.experts.w1.full_tensor()  # [E_local, inter, dim] of this ep rank
-        start, _ = block.ffn.dispatcher.local_expert_range
-        gen = torch.Generator().manual_seed(((7 * 1_000_003 + 1) * 1_000_003 + start) * 3)
-        expected = nn.init.trunc_normal_(torch.empty_like(w1[0]), std=0.02, generator=gen)
-        gathered = [torch.empty_like(w1) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, w1.contiguous())
+        param = block.ffn.experts.w1
+        w1 = param.full_tensor()  # [E, inter, dim]
+        draws = []
+        for expert in range(w1.shape[0]):
+            gen = torch.Generator().manual_seed(((7 * 1_000_003 + 1) * 1_000_003 + expert) * 3)
+            draws.append(nn.init.trunc_normal_(torch.empty_like(w1[0]), std=0.02, generator=gen))
+        half = w1.shape[0] // 2
         return {
-            "matches_seeded": bool(torch.equal(w1[0], expected)),
-            "ranks_differ": not torch.equal(gathered[0], gathered[1]),
+            "matches_seeded": bool(torch.equal(w1, torch.stack(draws))),
+            "ranks_differ": not torch.equal(w1[:half], w1[half:]),
+            "ep_sharded": isinstance(param, DTensor) and isinstance(param.placements[-1], Shard)
+            and param.device_mesh.mesh_dim_names[-1] == "ep",
         }
     finally:
         trainer.metrics.close()
@@ -159,8 +169,9 @@ def _worker(rank: int, nproc: int, port: int, layouts: list[str], out: str, refe
             if LAYOUTS[layout][0] != nproc:
                 raise ValueError(f"layout {layout} needs {LAYOUTS[layout][0]} ranks, not {nproc}")
             results[layout] = run_layout(layout, workdir)
-        if "fsdp_2_ep_2" in layouts:
-            results["expert_init"] = check_expert_init(workdir)
+        for layout in ("fsdp_2_ep_2", "fsdp_4_ep_2"):  # efsdp 1 and 2
+            if LAYOUTS[layout][0] == nproc and any("ep_2" in x for x in layouts):
+                results[f"expert_init_{layout}"] = check_expert_init(layout, workdir)
     from trainer.parallel.distributed import destroy_distributed
 
     destroy_distributed()

@@ -54,3 +54,26 @@ def test_impossible_layouts_say_what_would_fit(world, kw, words):
         dims(world, **kw)
     for w in words:
         assert w in str(err.value)
+
+
+def test_engram_degree_splits_the_ranks_that_see_different_tokens():
+    d = dims(16, dp_replicate=2, tp=2, engram=-1)
+    assert (d.loss_degree, d.engram, d.engram_enabled) == (8, 8, True)  # -1: all token ranks
+    assert dims(8, cp=2, engram=4).engram == 4  # cp ranks hold different tokens too
+    assert not dims(4).engram_enabled
+    assert "engram 2" in dims(4, engram=2).describe()
+
+
+@pytest.mark.parametrize(
+    "world, kw, words",
+    [
+        (8, dict(tp=2, engram=8), ["embedding_parallel_degree = 8 must divide", "= 4 (tensor-parallel", "[1, 2, 4]"]),
+        (6, dict(engram=4), ["dp_replicate x dp_shard x cp = 1 x 6 x 1 = 6", "[1, 2, 3, 6]", "-1 for all 6"]),
+        (4, dict(engram=2, engram_mesh_name="ep"), ["engram.mesh_name = 'ep' is already a mesh"]),
+    ],
+)
+def test_impossible_engram_degrees_say_what_would_fit(world, kw, words):
+    with pytest.raises(ParallelDimsError) as err:
+        dims(world, **kw)
+    for w in words:
+        assert w in str(err.value)

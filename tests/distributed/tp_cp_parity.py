@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
     from torch.distributed.tensor import DTensor
 
     from trainer.parallel.context_parallel import apply_context_parallel
-    from trainer.parallel.expert_parallel import apply_expert_parallel, expert_parallel_params
+    from trainer.parallel.expert_parallel import apply_expert_parallel
     from trainer.parallel.fsdp import apply_fsdp, clip_grad_norm_
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.tensor_parallel import apply_tensor_parallel, maybe_loss_parallel, replicate_partial_grads
@@ -131,7 +131,6 @@ def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
         opt = _optimizer(model)
         loss_group = dims.mesh("loss").get_group() if dims.has_mesh("loss") else None
         dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)
-        shard_groups = expert_parallel_params(model)
 
         def reduce_counts(counts):
             if loss_group is not None:
@@ -159,7 +158,7 @@ def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
             replicate_partial_grads(model.parameters())
-            norm = clip_grad_norm_(list(model.parameters()), MAX_NORM, shard_groups)
+            norm = clip_grad_norm_(list(model.parameters()), MAX_NORM)
             update_expert_bias(moe_modules(model), reduce_counts)
             opt.step()
             opt.zero_grad()

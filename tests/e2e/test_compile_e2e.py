@@ -12,11 +12,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_run_train_with_compile(tmp_path):
-    # Batch 2 x 64 tokens: the shapes of tests/unit/test_compile.py, so a session that ran it
-    # finds these graphs in the shared inductor cache (tests/conftest.py).
+    # Batch 2 x 64 tokens: the shapes of tests/unit/test_compile.py, so the two share their
+    # graphs through the session's inductor cache (tests/conftest.py). No validation: its
+    # no-grad graphs would add a third of this test's compile time on a 2-core CI machine.
     args = [
         "--training.compile", "--training.steps", "20", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--metrics.log_freq", "5", "--validation.steps", "2",
+        "--training.local_batch_size", "2", "--metrics.log_freq", "5", "--no-validation.enable",
     ]
     proc = subprocess.run(
         ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "run"), *args],
@@ -31,8 +32,7 @@ def test_run_train_with_compile(tmp_path):
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
     assert all(r["loss"] == r["loss"] and r["loss"] < 10.0 for r in train)  # finite, sane
-    assert train[-1]["loss"] < train[0]["loss"]
-    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    assert set(val) == {0, 20} and val[20] < val[0]
+    # Step 1 is ~9.5 (ln 8192 = 9.01 plus init noise); 20 steps at the debug LR reach ~7.6.
+    assert train[-1]["loss"] < 0.9 * train[0]["loss"]
     config = (tmp_path / "run" / "config.toml").read_text()
     assert "compile = true" in config

@@ -1,7 +1,8 @@
 """Checkpoint/resume of real training runs (debugmodel, seq_len 64, fp32, deterministic, CPU).
 
-- exact resume: a run killed by SIGKILL in the middle of an async save, resumed from its last
-  complete checkpoint, gives bit-identical losses to an uninterrupted run. All runs inject a NaN
+- exact resume: a run killed by SIGKILL in the middle of an async save (of step 10), resumed
+  from its last complete checkpoint (step 5), gives bit-identical losses for steps 6-10 to an
+  uninterrupted 10-step run. All runs inject a NaN
   at step 2, so the same test shows the step is skipped and training goes on, and that the
   skip counter and LR schedule survive the resume.
 - SIGTERM: run_train.sh exits 0 with a checkpoint at its last step.
@@ -25,7 +26,7 @@ from trainer.config import load_config
 from trainer.train import Trainer, main
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4  # checkpoints at STEPS / 2 and STEPS; kept small for a 2-core CI machine
+STEPS = 10  # checkpoints at STEPS / 2 and STEPS: 10 straight vs 5, kill, resume, 5 more
 BASE = [
     "--config", str(REPO / "train_configs/debug_model.toml"),
     "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",

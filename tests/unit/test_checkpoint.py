@@ -32,13 +32,18 @@ def tiny_args(dim: int = 32) -> DeepSeekV3ModelArgs:
 
 
 class FakeLoader:
-    def __init__(self):
+    """Positions within one data shard; like the real loader, refuses another shard's state."""
+
+    def __init__(self, shard: int = 0):
         self.pos = 0
+        self.shard = shard
 
     def state_dict(self):
-        return {"pos": self.pos, "buffer": [1, 2, 3]}
+        return {"pos": self.pos, "shard": self.shard, "buffer": [1, 2, 3]}
 
     def load_state_dict(self, state):
+        if state["shard"] != self.shard:
+            raise ValueError(f"saved by shard {state['shard']}, this is shard {self.shard}")
         self.pos = state["pos"]
 
 
@@ -104,6 +109,39 @@ def test_save_resume_restores_everything(tmp_path):
             assert torch.equal(value, sb["state"][pid][name]), name
     assert b.sched.state_dict()["last_epoch"] == 3 and b.loader.pos == 3
     assert torch.equal(torch.rand(3), rng_after_save)
+
+
+def test_other_world_size_continues_the_rank_that_read_the_same_shard(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    a = build(tmp_path)
+    train_step(a, 1)
+    a.loader.shard = 1
+    full_state = a.mgr._full_state
+
+    def two_ranks(train_state):
+        # As if saved by 2 ranks: rank 0 read shard 1 (at 1), rank 1 read shard 0 (at 7).
+        state = full_state(train_state)
+        state["rank_state_1"] = {"dataloader": {"pos": 7, "shard": 0, "buffer": [4]}, "rng": state["rank_state_0"]["rng"]}
+        return state
+
+    monkeypatch.setattr(a.mgr, "_full_state", two_ranks)
+    a.mgr.save(1, {"step": 1, "skipped_total": 0})
+    marker = tmp_path / "checkpoint" / "step-1" / COMPLETE
+    marker.write_text(marker.read_text().replace('"world_size": 1', '"world_size": 2'))
+
+    b = build(tmp_path)  # one process, reading shard 0
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert b.mgr.load()["step"] == 1
+    assert b.loader.pos == 7 and "taken from saved rank 1" in caplog.text
+
+    c = build(tmp_path)
+    c.loader.shard = 2  # no saved rank read it: the data order restarts, the weights still load
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert c.mgr.load()["step"] == 1
+    assert c.loader.pos == 0 and "data loader position not restored" in caplog.text
+    for key, value in a.model.state_dict().items():
+        assert torch.equal(value, c.model.state_dict()[key]), key
 
 
 def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch):

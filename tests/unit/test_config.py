@@ -79,7 +79,7 @@ def test_defaults_match_contract():
     assert cfg.activation_checkpoint.mode == "none"
     assert set(_sections(JobConfig)) == {
         "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics",
-        "validation", "checkpoint", "parallelism", "activation_checkpoint",
+        "validation", "checkpoint", "parallelism", "activation_checkpoint", "profiling", "quantize",
     }
 
 

@@ -263,3 +263,38 @@ def test_optimizer_group_for_tables():
     assert {id(p) for p in group["params"]} == {id(p) for p in engram_table_params(model)}
     others = [p for g in opt.param_groups if not g.get("engram") for p in g["params"]]
     assert len(others) + 2 == len(list(model.parameters()))
+
+
+def test_param_counts_and_flops_count_looked_up_rows_only():
+    from models.deepseek_v3 import count_params, flops_per_token
+
+    engram = _engram_args(layer_ids=(0, 2))
+    base = dataclasses.replace(get_flavor("debugmodel"), n_layers=3, max_seq_len=32, mtp_depth=0, vocab_size=64)
+    with_engram = dataclasses.replace(base, engram=engram)
+    model = _model(engram)
+    tables = sum(p.numel() for p in engram_table_params(model))
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".engram." in n) - tables
+    (t0, a0), (t1, a1) = count_params(base), count_params(with_engram)
+    assert t1 - t0 == tables + rest  # every Engram weight is in the total
+    assert a1 - a0 == rest + 2 * engram.memory_dim  # a token reads memory_dim table values per layer
+    # FLOPs: the projections / conv like any weight, the table lookup like the embedding (none).
+    assert flops_per_token(with_engram, 32) - flops_per_token(base, 32) == 6 * rest
+
+
+def test_hf_names_round_trip_with_engram():
+    from models.deepseek_v3 import DeepSeekV3StateDictAdapter
+    from models.deepseek_v3.hf_io import args_from_hf_config
+    from models.deepseek_v3.state_dict_adapter import to_hf_config
+
+    engram = _engram_args(layer_ids=(0, 2))
+    model = _model(engram)
+    adapter = DeepSeekV3StateDictAdapter(model.args)
+    sd = model.state_dict()
+    hf = adapter.to_hf(sd)
+    table = "model.layers.2.engram.multi_head_embedding.embedding.weight"
+    assert torch.equal(hf[table], sd["layers.2.engram.table.weight"])
+    assert "model.layers.0.engram.short_conv.norms.0.weight" in hf and "model.layers.1.engram" not in str(hf.keys())
+    back = adapter.from_hf(hf)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    config = to_hf_config(model.args)
+    assert args_from_hf_config(config, engram=config["engram"]).engram == engram

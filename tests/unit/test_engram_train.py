@@ -1,14 +1,17 @@
-"""`CONFIG_FILE=train_configs/debug_engram.toml ./run_train.sh` trains on one CPU process."""
+"""`CONFIG_FILE=train_configs/debug_engram.toml ./run_train.sh` trains on one CPU process and on
+two (sharded table, offloaded optimizer state, checkpoint resumed at another degree)."""
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from models.engram import find_primes
 from trainer.config import ConfigError, load_config
-from trainer.train import build_model_args
+from trainer.train import build_model_args, check_unavailable_features
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,6 +27,14 @@ def test_engram_config_errors():
     args = build_model_args(load_config(["--config", str(REPO / "train_configs/debug_engram.toml")]), 8192, 0)
     assert args.engram.layer_ids == (1, 3) and args.engram.memory_dim == 128
     assert build_model_args(load_config([]), 8192, 0).engram is None
+    with pytest.raises(ConfigError, match="embedding_parallel_degree must be >= 1 or -1"):
+        load_config(["--engram.embedding_parallel_degree", "0"])
+    # The degree is checked against the layout before any process-group work.
+    sharded = ["--config", str(REPO / "train_configs/debug_engram.toml"), "--engram.embedding_parallel_degree"]
+    with pytest.raises(ConfigError, match=r"= 3 must divide .* = 4 .*pick one of \[1, 2, 4\]"):
+        check_unavailable_features(load_config([*sharded, "3"]), world_size=4)
+    assert check_unavailable_features(load_config([*sharded, "-1"]), world_size=4).engram == 4
+    assert check_unavailable_features(load_config([*sharded, "-1", "--no-engram.enable"]), world_size=4).engram == 1
 
 
 @pytest.mark.slow
@@ -46,3 +57,30 @@ def test_debug_engram_trains(tmp_path):
         assert last[f"engram/gate_std/layer{layer}"] > 0
     assert last["engram/table_rows_per_rank"] > 8 * 4099
     assert last["engram/table_bytes_per_rank"] == 4 * 16 * last["engram/table_rows_per_rank"]
+
+
+@pytest.mark.slow
+def test_two_processes_sharded_table_trains(tmp_path):
+    """NGPU=2 with FSDP2: the tables split over both ranks (embedding_parallel_degree 2), their
+    Adam state on the CPU, a checkpoint saved. (Resuming at other degrees with the same losses:
+    tests/distributed/test_engram_checkpoint.py.)"""
+    run = tmp_path / "run"
+    env = {**os.environ, "NGPU": "2", "CONFIG_FILE": "train_configs/debug_engram.toml", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run), "--training.steps", "6",
+         "--training.seq_len", "64", "--training.local_batch_size", "2", "--no-validation.enable",
+         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-job.print_config",
+         "--engram.embedding_parallel_degree", "2", "--engram.offload_optimizer_state",
+         "--checkpoint.enable", "--checkpoint.interval", "6"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "engram 2" in proc.stdout and "checkpoint step 6 saved" in proc.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in records}
+    assert loss[6] <= 0.95 * loss[1], loss  # measured 9.55 -> 8.86
+    # Rank 0 holds the first half (rounded up) of each table's rows.
+    engram = build_model_args(load_config(["--config", str(REPO / "train_configs/debug_engram.toml")]), 8192, 0).engram
+    primes = find_primes(engram)
+    assert records[-1]["engram/table_rows_per_rank"] == sum(math.ceil(sum(primes[i]) / 2) for i in engram.layer_ids)

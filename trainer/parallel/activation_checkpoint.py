@@ -16,11 +16,13 @@ checkpoints are interchangeable across modes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective", "op")
@@ -49,8 +51,38 @@ def _op_policy(save: set, ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _SkipProfilerOps(TorchDispatchMode):
+    """Sits right above a per-op SAC mode and runs profiler annotations past it.
+
+    SAC replays by counting each op's calls, and must see the same calls in forward and in
+    recompute. FSDP2 hooks of a unit *inside* the checkpointed block (the routed experts' own
+    unit under EP) annotate with ``record_function`` a different number of times in recompute
+    (there ``FSDP::root_pre_forward`` also runs), which SAC rejects, though annotations compute
+    nothing. PyTorch has the same bypass in review upstream; until a release carries it, this
+    keeps the two counts equal by hiding annotations from SAC.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":
+            with _pop_mode_temporarily():  # the SAC mode right below this one
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _with_profiler_ops_skipped(sac_mode):
+    with sac_mode, _SkipProfilerOps():
+        yield
+
+
 def _op_context_fn():
-    return create_selective_checkpoint_contexts(functools.partial(_op_policy, _save_list()))
+    caching, cached = create_selective_checkpoint_contexts(functools.partial(_op_policy, _save_list()))
+    return _with_profiler_ops_skipped(caching), _with_profiler_ops_skipped(cached)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_every: int = 1) -> int:

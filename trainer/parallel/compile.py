@@ -11,7 +11,9 @@ What is compiled (`docs/compile.md` has the long version):
   `forward` per block. Dense blocks are compiled with `fullgraph=True` (a graph break is an
   error). MoE blocks break exactly twice, at `dispatcher.dispatch()` and
   `dispatcher.combine()` (both `torch.compiler.disable`d in models/moe/dispatcher.py): attention,
-  norms, router, counts, expert math and shared experts are compiled in three graphs.
+  norms, router, counts, expert math and shared experts are compiled in three graphs. Under
+  expert parallelism + FSDP the routed experts are their own FSDP unit, whose hooks FSDP2 keeps
+  out of dynamo: one more break, at the experts call (their ep-DTensor weights add none).
 * the loss (`compiled_cross_entropy_sum`), which fuses the fp32 upcast into the softmax.
 
 Per block, not the whole model: a whole-model compile would split at every MoE boundary and

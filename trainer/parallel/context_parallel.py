@@ -53,11 +53,15 @@ def gathered_positions(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
     return torch.cat([load_balanced_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
 
 
+# Newer torch renamed the autograd all-gather (the old name warns); 2.11 only has the old one.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 class LatentAllGather:
     """`MLA.latent_exchange` hook: all-gathers `[kv latent | rope key]` along the sequence.
 
-    Backward is a reduce-scatter (`funcol.all_gather_tensor_autograd`), so each rank receives
-    the sum of all ranks' gradients for its own tokens' latent.
+    Backward is a reduce-scatter (funcol's autograd all-gather), so each rank receives the sum
+    of all ranks' gradients for its own tokens' latent.
     """
 
     def __init__(self, group):
@@ -66,7 +70,7 @@ class LatentAllGather:
     def __call__(self, kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv_dim = kv.shape[-1]
         latent = torch.cat([kv, k_pe.squeeze(2)], dim=-1)  # (B, S_local, kv_lora_rank + rope)
-        full = funcol.all_gather_tensor_autograd(latent, gather_dim=1, group=self.group)
+        full = _all_gather_autograd(latent, gather_dim=1, group=self.group)
         full = funcol.wait_tensor(full)  # (B, S_local * cp, kv_lora_rank + rope), rank-major
         kv, k_pe = full.split([kv_dim, full.shape[-1] - kv_dim], dim=-1)
         return kv, k_pe.unsqueeze(2)

@@ -18,22 +18,32 @@ shard in different engram groups (e.g. engram degree 2 in a world of 4) sum thei
 `all_reduce_table_grads` over the replicate group. In the gradient norm each shard counts once:
 `table_grad_sq_norm` sums the local squares over the engram group only.
 
-Tables must not be sharded by FSDP as well (that would all-gather them back): the FSDP wrapping
-has to leave `engram.table.weight` out (e.g. `fully_shard(..., ignored_params=...)`).
+Trainer wiring (`trainer/parallel/parallelize.py`, `Trainer.train_step`): `apply_engram_parallel`
+over the "engram" mesh of `ParallelDims` (degree > 1), or `replicate_engram_tables` (degree 1 in a
+multi-process run: whole tables on every rank, grads summed over the "loss" mesh). Either way the
+tables must not be sharded by FSDP (that would all-gather them every step): FSDP is applied
+inside `tables_hidden_from_fsdp(model)`. In the training step `reduce_table_grads` runs after the
+last backward and `clip_grad_norm_with_tables` clips with each shard counted once.
+
+Checkpoints: the tables' `state_dict()` entries and their optimizer state (also the CPU-resident
+state of `offload_engram_group`) are `DTensor`s with `Shard(0)` placement over the engram mesh,
+so DCP reshards them to any other degree (`register_table_state_hooks`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adamw import adamw as adamw_update
 
-from models.engram import EngramLookup, EngramTable, engram_modules, engram_table_params
+from models.engram import EngramLookup, EngramTable, LocalEngramLookup, engram_modules, engram_table_params
 
 
 def _as_group(mesh_or_group) -> dist.ProcessGroup:
@@ -80,12 +90,16 @@ class ShardedEngramLookup(EngramLookup):
         group: the engram process group (or a 1-D DeviceMesh).
         precompute: exchange all layers at once (one count exchange + one all-to-all pair per
             forward) instead of one exchange per layer.
+        replicate_group: ranks holding the same shard in other engram groups (their table
+            grads are summed by `reduce_table_grads`); None = no replicas.
     """
 
-    def __init__(self, group, precompute: bool = True):
+    def __init__(self, group, precompute: bool = True, replicate_group=None):
         self.group = _as_group(group)
         self.world = dist.get_world_size(self.group)
         self.precompute = precompute
+        self.mesh = group if hasattr(group, "get_group") else None
+        self.replicate_group = _as_group(replicate_group) if replicate_group is not None else None
 
     def __call__(self, tables: Sequence[EngramTable], ids: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.precompute:
@@ -160,14 +174,15 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def apply_engram_parallel(model: nn.Module, mesh_or_group, precompute: bool = True) -> None:
+def apply_engram_parallel(model: nn.Module, mesh_or_group, precompute: bool = True, replicate=None) -> None:
     """Shard every Engram table of `model` over the 1-D engram group and swap in the sharded
     lookup. Run before the optimizer is built: on a meta-device model (then `init_weights`
     fills each shard with exactly the unsharded values) or on a built one (rows are copied).
 
     Given a DeviceMesh, the tables' `state_dict()` entries become `DTensor`s sharded on dim 0
     (the row layout above is DTensor's `Shard(0)` layout), so a DCP checkpoint saved at one
-    degree loads at another; `load_state_dict` accepts such DTensors or full tensors."""
+    degree loads at another; `load_state_dict` accepts such DTensors or full tensors.
+    `replicate`: mesh or group of the ranks holding the same shards (see `reduce_table_grads`)."""
     group = _as_group(mesh_or_group)
     mesh = mesh_or_group if hasattr(mesh_or_group, "get_group") else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -177,7 +192,86 @@ def apply_engram_parallel(model: nn.Module, mesh_or_group, precompute: bool = Tr
         if mesh is not None:
             module.table._register_state_dict_hook(_ShardedTableStateDict(mesh))
             module.table._register_load_state_dict_pre_hook(_load_table_rows, with_module=True)
-    model.engram_lookup = ShardedEngramLookup(group, precompute=precompute)
+    model.engram_lookup = ShardedEngramLookup(mesh_or_group, precompute=precompute, replicate_group=replicate)
+
+
+class ReplicatedEngramLookup(LocalEngramLookup):
+    """Whole tables on every rank of a multi-process run (embedding_parallel_degree 1): a local
+    gather, with the table grads summed over `replicate_group` (every rank seeing other tokens).
+    FSDP must not shard these tables either: the model reads them before their block's FSDP
+    unit gathers its parameters, and gathering whole tables every step is what Engram avoids."""
+
+    group = None  # no engram group: nothing is sharded
+    mesh = None
+
+    def __init__(self, replicate_group):
+        self.replicate_group = _as_group(replicate_group)
+
+
+def replicate_engram_tables(model: nn.Module, replicate) -> None:
+    """Keep `model`'s Engram tables whole on every rank (see `ReplicatedEngramLookup`)."""
+    if engram_modules(model):
+        model.engram_lookup = ReplicatedEngramLookup(replicate)
+
+
+def sharded_lookup(model: nn.Module) -> ShardedEngramLookup | ReplicatedEngramLookup | None:
+    """The model's multi-process lookup (row-sharded or replicated tables), or None for a
+    single-process model (or one without Engram)."""
+    lookup = getattr(model, "engram_lookup", None)
+    return lookup if isinstance(lookup, (ShardedEngramLookup, ReplicatedEngramLookup)) else None
+
+
+@contextmanager
+def tables_hidden_from_fsdp(model: nn.Module) -> Iterator[None]:
+    """Detach the tables of a multi-process lookup from the module tree while FSDP wraps `model`,
+    so that FSDP neither shards them nor all-gathers them; they are plain parameters afterwards
+    (the optimizer, `state_dict` and `.to_empty` see them as before)."""
+    modules = engram_modules(model) if sharded_lookup(model) is not None else []
+    tables = [m._modules.pop("table") for m in modules]
+    try:
+        yield
+    finally:
+        for m, table in zip(modules, tables):
+            m.table = table
+
+
+def reduce_table_grads(model: nn.Module) -> None:
+    """Sum the table grads over the replicate group; call once per step after the last backward
+    (the backward all-to-all already summed the engram group's tokens into each shard)."""
+    lookup = sharded_lookup(model)
+    if lookup is not None and lookup.replicate_group is not None:
+        all_reduce_table_grads(model, lookup.replicate_group)
+
+
+@torch.no_grad()
+def clip_grad_norm_with_tables(params: Sequence[torch.Tensor], max_norm: float, model: nn.Module) -> torch.Tensor:
+    """`trainer.parallel.fsdp.clip_grad_norm_` for a model whose Engram tables may be row-sharded:
+    plain tensors whose placement DTensor cannot show, so their squares are summed over the
+    engram group here (each shard once, replicas not again) and added to the other parameters'
+    global squared norm. Returns the total norm before clipping."""
+    from trainer.parallel.fsdp import clip_grad_norm_, grad_norm
+
+    lookup = sharded_lookup(model)
+    if lookup is None:
+        return clip_grad_norm_(params, max_norm)
+    params = [p for p in params if p.grad is not None]
+    table_ids = {id(p) for p in engram_table_params(model)}
+    tables_sq = table_grad_sq_norm(model, lookup.group) if lookup.group is not None else _table_sq(model)
+    others_sq = grad_norm([p for p in params if id(p) not in table_ids]).to(tables_sq.device).square()
+    norm = (tables_sq + others_sq).sqrt()
+    if math.isfinite(max_norm) and params:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([_local(p.grad) for p in params], coef)
+    return norm
+
+
+def table_row_ranges(model: nn.Module, clean=lambda name: name) -> dict[str, tuple[int, int]]:
+    """Table weight name (after `clean`) -> [start, stop) global rows held here."""
+    return {
+        clean(f"{name}.weight"): (m.row_start, m.row_start + m.weight.shape[0])
+        for name, m in model.named_modules()
+        if isinstance(m, EngramTable)
+    }
 
 
 class _ShardedTableStateDict:
@@ -187,30 +281,35 @@ class _ShardedTableStateDict:
         self.mesh = mesh
 
     def __call__(self, table: EngramTable, state_dict, prefix, local_metadata):
-        from torch.distributed.tensor import DTensor, Shard
-
         key = prefix + "weight"
-        local = state_dict[key]
-        state_dict[key] = DTensor.from_local(
-            local, self.mesh, [Shard(0)], run_check=False,
-            shape=torch.Size((table.num_rows, table.head_dim)), stride=(table.head_dim, 1),
-        )
+        state_dict[key] = _row_sharded(state_dict[key], table, self.mesh)
         return state_dict
+
+
+def _row_sharded(local: torch.Tensor, table: EngramTable, mesh) -> DTensor:
+    """The local rows of `table` as a view of the whole table (`Shard(0)` over the engram mesh)."""
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False,
+        shape=torch.Size((table.num_rows, table.head_dim)), stride=(table.head_dim, 1),
+    )
 
 
 def _load_table_rows(table: EngramTable, state_dict, prefix, *args) -> None:
     """load_state_dict pre-hook: keep this shard's rows of a full tensor or a DTensor."""
     key = prefix + "weight"
-    value = state_dict.get(key)
-    if value is None:
-        return
+    if key in state_dict:
+        state_dict[key] = _local_rows(state_dict[key], table)
+
+
+def _local_rows(value: torch.Tensor, table: EngramTable) -> torch.Tensor:
+    """This shard's rows of a table-shaped full tensor or DTensor (other values unchanged)."""
     if hasattr(value, "to_local"):
         local = value.to_local()
         # Same layout (the usual case, e.g. after DCP loaded in place): no communication.
         value = local if local.shape == table.weight.shape else value.full_tensor()
-        state_dict[key] = value
-    if value.shape[0] == table.num_rows and table.weight.shape[0] != table.num_rows:
-        state_dict[key] = value[table.row_start : table.row_start + table.weight.shape[0]]
+    if value.ndim == 2 and value.shape[0] == table.num_rows and table.weight.shape[0] != table.num_rows:
+        value = value[table.row_start : table.row_start + table.weight.shape[0]]
+    return value
 
 
 def all_reduce_table_grads(model: nn.Module, replicate_group, average: bool = False) -> None:
@@ -226,14 +325,22 @@ def all_reduce_table_grads(model: nn.Module, replicate_group, average: bool = Fa
 def table_grad_sq_norm(model: nn.Module, engram_group) -> torch.Tensor:
     """Squared L2 norm of all table grads with each shard counted once (sum over the engram
     group only); add it to the other parameters' squared norm before clipping."""
-    grads = [p.grad for p in engram_table_params(model) if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    sq = _table_sq(model, torch.float64)
     group = _as_group(engram_group)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
+    return sq.float()
+
+
+def _table_sq(model: nn.Module, cpu_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's sum of squared table grads; `cpu_dtype` float64 on CPU, whose fp32 sums of
+    large tables lose ~1e-4 (relative); CUDA's tree sums do not."""
+    grads = [p.grad for p in engram_table_params(model) if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    dtype = cpu_dtype if device.type == "cpu" else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=device)
+    for g in grads:
+        sq += g.to(dtype).pow(2).sum()
     return sq
 
 
@@ -257,8 +364,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             pin = p.device.type == "cuda"
-            master = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-            master.copy_(p.detach())
+            local = _local(p.detach())
+            master = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+            master.copy_(local)
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(master)
             state["exp_avg_sq"] = torch.zeros_like(master)
@@ -278,7 +386,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 continue
             states = [self._state_for(p) for p in params]
             for p, s in zip(params, states):
-                s["grad_buffer"].copy_(p.grad, non_blocking=True)
+                s["grad_buffer"].copy_(_local(p.grad), non_blocking=True)
             if params[0].device.type == "cuda":
                 torch.cuda.current_stream(params[0].device).synchronize()
             beta1, beta2 = group["betas"]
@@ -289,8 +397,18 @@ class OffloadedAdam(torch.optim.Optimizer):
                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
             )
             for p, s in zip(params, states):
-                p.copy_(s["master"], non_blocking=True)
+                _local(p).copy_(s["master"], non_blocking=True)
         return loss
+
+    @torch.no_grad()
+    def load_param_state(self, p: torch.Tensor, entry: dict) -> None:
+        """Set `p`'s state from `entry` (`step`, `exp_avg`, `exp_avg_sq`, local shapes); the
+        master copy is taken from `p` itself, which must hold its loaded value already."""
+        state = self._state_for(p)
+        state["master"].copy_(_local(p.detach()))
+        state["step"] = entry["step"].detach().float().cpu().clone()
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name].copy_(entry[name])
 
     def state_dict(self):
         # The grad staging buffer is scratch space, not state.
@@ -317,16 +435,17 @@ class _OffloadedGroupStep:
     then drops those grads so the device optimizer skips the group. If the trainer skips a step
     (non-finite loss) the hook does not run and `zero_grad` clears the grads as usual."""
 
-    def __init__(self, group: dict, offloaded: OffloadedAdam):
-        self.group = group
+    def __init__(self, offloaded: OffloadedAdam):
         self.offloaded = offloaded
 
     def __call__(self, optimizer, args, kwargs) -> None:
+        # Looked up at every step: `optimizer.load_state_dict` replaces the group dicts.
+        (group,) = [g for g in optimizer.param_groups if g.get("engram")]
         target = self.offloaded.param_groups[0]
         for key in ("lr", "betas", "eps", "weight_decay"):
-            target[key] = self.group[key]  # follows the LR schedule of the device optimizer
+            target[key] = group[key]  # follows the LR schedule of the device optimizer
         self.offloaded.step()
-        for p in self.group["params"]:
+        for p in group["params"]:
             p.grad = None
 
 
@@ -335,13 +454,92 @@ def offload_engram_group(optimizer: torch.optim.Optimizer) -> OffloadedAdam:
 
     The group stays in `optimizer` (LR schedule, `zero_grad`, grad clipping see it as before) but
     owns no device state: a step pre-hook runs `OffloadedAdam` on it first. The `OffloadedAdam` is
-    returned and kept as `optimizer.engram_offloaded` (its state must be checkpointed with it).
+    returned and kept as `optimizer.engram_offloaded` (`register_table_state_hooks` checkpoints it).
     Weight decay is decoupled (AdamW); with the default `engram.weight_decay = 0` it is plain Adam.
     """
     (group,) = [g for g in optimizer.param_groups if g.get("engram")]
     offloaded = OffloadedAdam(
         group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
     )
-    optimizer.register_step_pre_hook(_OffloadedGroupStep(group, offloaded))
+    optimizer.register_step_pre_hook(_OffloadedGroupStep(offloaded))
     optimizer.engram_offloaded = offloaded
     return offloaded
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _TableOptimizerState:
+    """Optimizer `state_dict` post-hook and `load_state_dict` pre-hook for the `"engram"` group.
+
+    Saving: the CPU-resident state of `offload_engram_group` (step, exp_avg, exp_avg_sq; its fp32
+    master equals the parameter) goes where the device optimizer keeps its own, so a checkpoint
+    holds the same entries with offload on or off; table-shaped state of row-sharded tables
+    becomes a `DTensor` (`Shard(0)` over the engram mesh, like the weight), so DCP reshards it to
+    another embedding-parallel degree. Loading undoes both (new dicts: the live state is never
+    replaced by the checkpoint's views).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.tables = {id(m.table.weight): m.table for m in engram_modules(model)}
+        lookup = sharded_lookup(model)
+        self.mesh = lookup.mesh if lookup is not None else None
+
+    @staticmethod
+    def _entries(optimizer, state_dict) -> list[tuple[int, torch.Tensor]]:
+        for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
+            if group.get("engram"):
+                return list(zip(saved["params"], group["params"]))
+        return []
+
+    def save(self, optimizer, state_dict):
+        offloaded = getattr(optimizer, "engram_offloaded", None)
+        state = dict(state_dict["state"])
+        for idx, p in self._entries(optimizer, state_dict):
+            entry = state.get(idx)
+            if offloaded is not None and offloaded.state.get(p):
+                s = offloaded.state[p]
+                entry = {"step": s["step"], "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+            if entry:
+                state[idx] = {k: self._global(v, p) for k, v in entry.items()}
+        state_dict["state"] = state
+        return state_dict
+
+    def _global(self, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if value.ndim == 0 or isinstance(value, DTensor):
+            return value
+        if isinstance(p, DTensor):  # offloaded local shard of an FSDP-sharded table
+            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        if self.mesh is not None:
+            return _row_sharded(value, self.tables[id(p)], self.mesh)
+        return value
+
+    def load(self, optimizer, state_dict):
+        offloaded = getattr(optimizer, "engram_offloaded", None)
+        state = dict(state_dict["state"])
+        for idx, p in self._entries(optimizer, state_dict):
+            entry = state.get(idx)
+            if not entry:
+                continue
+            if offloaded is not None:
+                offloaded.load_param_state(p, {k: self._local(v, p) for k, v in entry.items()})
+                del state[idx]  # no device-side state for the offloaded group
+            elif self.mesh is not None:
+                state[idx] = {k: self._local(v, p) for k, v in entry.items()}
+        state_dict["state"] = state
+        return state_dict
+
+    def _local(self, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, DTensor):
+            return value.redistribute(p.device_mesh, p.placements).to_local() if isinstance(value, DTensor) else value
+        return _local_rows(value, self.tables[id(p)])
+
+
+def register_table_state_hooks(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Make `optimizer.state_dict()` / `load_state_dict()` carry the `"engram"` group's state
+    (CPU-resident or row-sharded) in checkpointable form; see `_TableOptimizerState`."""
+    hooks = _TableOptimizerState(model)
+    optimizer.register_state_dict_post_hook(hooks.save)
+    optimizer.register_load_state_dict_pre_hook(hooks.load)

@@ -1,11 +1,14 @@
 """Expert parallelism: routed experts split over the "ep" mesh, tokens moved by all-to-all.
 
 ``apply_expert_parallel`` keeps the model code single-device: each MoE's ``GroupedExperts``
-gets plain parameters holding only this rank's ``E / ep`` experts (rank r owns experts
-``[r * E/ep, (r+1) * E/ep)``; names unchanged, dim 0 shrunk), and ``MoE.dispatcher`` becomes an
-``AllToAllTokenDispatcher`` over the ep group. Routing, counting (``tokens_per_expert`` over all
-E experts, per rank) and the shared experts are untouched; FSDP then shards the local expert
-weights over the "efsdp" mesh.
+gets DTensor parameters ``Shard(0)`` on the "ep" mesh, i.e. the global ``[E, ...]`` stacks of
+which rank r holds experts ``[r * E/ep, (r+1) * E/ep)`` (names and global shapes unchanged; the
+forward reads the local shard, see ``ExpertParallelGroupedExperts``), and ``MoE.dispatcher``
+becomes an ``AllToAllTokenDispatcher`` over the ep group. Routing, counting
+(``tokens_per_expert`` over all E experts, per rank) and the shared experts are untouched; FSDP
+then shards the experts' dim 0 again over the "efsdp" mesh (2-D placements on [efsdp, ep],
+trainer/parallel/fsdp.py). Checkpoints, the gradient norm and weight loading all read the ep
+sharding from the placements.
 
 Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py``):
   dispatch: sort (token, choice) rows by global expert -> rows are rank-major (experts are
@@ -25,8 +28,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from models.moe import MoE
 from models.moe.dispatcher import TokenDispatcher
+from models.moe.experts import GroupedExperts
 
 EP_COMM_BACKENDS = ("all_to_all", "deepep")
 
@@ -59,8 +66,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
 
     @property
     def local_expert_range(self) -> tuple[int, int]:
-        """[first, last) global expert ids held by this rank (what the checkpoint code needs
-        to map the local expert weights to the global ones)."""
+        """[first, last) global expert ids held by this rank: the ``Shard(0)`` chunk of the
+        expert weights on the ep mesh, in the order ``dispatch`` sends their rows."""
         start = self.ep_rank * self.num_local_experts
         return start, start + self.num_local_experts
 
@@ -133,20 +140,29 @@ def check_ep_comm_backend(backend: str, device_type: str) -> None:
         )
 
 
-def _shrink_to_local(param: nn.Parameter, start: int, stop: int) -> nn.Parameter:
-    """A new parameter holding rows [start, stop) of dim 0 (meta tensors stay meta)."""
-    if param.device.type == "meta":
-        local = torch.empty((stop - start, *param.shape[1:]), dtype=param.dtype, device="meta")
-    else:
-        local = param.detach()[start:stop].clone()
-    return nn.Parameter(local, requires_grad=param.requires_grad)
+class ExpertParallelGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose ``w1``/``w2``/``w3`` are DTensors sharded over the "ep" mesh.
+
+    ``apply_expert_parallel`` swaps an instance's class to this one (as ``fully_shard`` does with
+    its own subclass): parameter names, ``init_weights`` and the state dict are unchanged, and the
+    model code stays free of DTensor. The forward computes on the local shard, this rank's
+    ``E / ep`` experts in the order the all-to-all dispatcher sends their rows; under FSDP2 the
+    parameter it sees is the unsharded ep DTensor, and ``to_local``'s backward hands the gradient
+    back as the same ``Shard(0)`` DTensor.
+    """
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w1.to_local(), self.w2.to_local(), self.w3.to_local()
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
-    """Splits every MoE's routed experts over ``ep_mesh`` and swaps in the all-to-all dispatcher.
+    """Shards every MoE's routed experts ``Shard(0)`` over ``ep_mesh`` and swaps in the
+    all-to-all dispatcher.
 
-    Run before FSDP, on the meta-device model (real tensors are sliced too, which the tests use).
-    Returns the MoE modules it changed.
+    Run before FSDP, on the meta-device model (real tensors work too: each rank keeps its rows,
+    without communication). The parameters become DTensors of the *global* expert stack, so the
+    checkpoint (DCP) saves and reshards global tensors and the gradient norm reads the ep
+    sharding from their placements. Returns the MoE modules it changed.
     """
     group = ep_mesh.get_group()
     ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
@@ -155,25 +171,17 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
         if not isinstance(module, MoE):
             continue
         dispatcher = AllToAllTokenDispatcher(module.num_experts, group, ep_rank, ep_size)
-        start, stop = dispatcher.local_expert_range
         experts = module.experts
         for name in ("w1", "w2", "w3"):
-            setattr(experts, name, _shrink_to_local(getattr(experts, name), start, stop))
+            param = getattr(experts, name)
+            # src_data_rank=None: every rank already holds the full tensor (or meta); no scatter.
+            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        experts.__class__ = ExpertParallelGroupedExperts
         experts.num_experts = dispatcher.num_local_experts
         module.dispatcher = dispatcher
         changed.append(module)
     return changed
-
-
-def expert_parallel_params(model: nn.Module) -> dict[int, list[dist.ProcessGroup]]:
-    """``id(param) -> [ep group]`` for routed-expert weights split by ``apply_expert_parallel``:
-    their local values are disjoint shards over ep, which the gradient norm must sum over."""
-    out: dict[int, list[dist.ProcessGroup]] = {}
-    for module in model.modules():
-        if isinstance(module, MoE) and isinstance(module.dispatcher, AllToAllTokenDispatcher):
-            for p in module.experts.parameters():
-                out[id(p)] = [module.dispatcher.group]
-    return out
 
 
 def _blocks_with_moe(model: nn.Module):
@@ -188,28 +196,27 @@ def _blocks_with_moe(model: nn.Module):
 
 @torch.no_grad()
 def init_expert_weights(model: nn.Module, seed: int) -> None:
-    """Re-draws the local routed experts so that each *global* expert gets its own values.
+    """Re-draws the routed experts so that each *global* expert gets its own values.
 
-    After ``apply_expert_parallel`` every ep rank holds different experts in same-shaped
-    tensors, and a sharded random init (DTensor's RNG is synchronised over the FSDP mesh only)
-    would give expert ``r * E_local + i`` the same weights on every ep rank r. Here expert g of
-    layer l is drawn on the CPU from its own generator seeded by (seed, l, g), with the
-    distribution of ``GroupedExperts.init_weights``: independent of the layout, identical on
-    the FSDP ranks that share the experts. CPU runs instead copy the single-process weights
+    A sharded random init (DTensor's RNG is synchronised per mesh, not offset by the ep rank
+    everywhere) could give expert ``r * E_local + i`` the same weights on every ep rank r. Here
+    expert g of layer l is drawn on the CPU from its own generator seeded by (seed, l, g), with
+    the distribution of ``GroupedExperts.init_weights``: independent of the layout, identical on
+    the FSDP ranks that share the experts. Only this rank's ``E / ep`` experts are drawn, and
+    only its FSDP chunk of them is kept (FSDP2 splits dim 0 with ``torch.chunk`` on each mesh dim
+    before "ep", the last one). CPU runs instead copy the single-process weights
     (``parallelize.load_full_state_dict``).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for block, moe in _blocks_with_moe(model):
         start, stop = moe.dispatcher.local_expert_range
         for k, (name, std) in enumerate((("w1", 0.02), ("w2", block.weight_init_std), ("w3", block.weight_init_std))):
             param = getattr(moe.experts, name)
-            values = torch.empty(param.shape, dtype=torch.float32)
+            values = torch.empty((stop - start, *param.shape[1:]), dtype=torch.float32)
             for i, expert in enumerate(range(start, stop)):
                 gen = torch.Generator().manual_seed(((seed * 1_000_003 + block.layer_id) * 1_000_003 + expert) * 3 + k)
                 nn.init.trunc_normal_(values[i], mean=0.0, std=std, generator=gen)
-            if isinstance(param, DTensor):
-                local = distribute_tensor(values.to(param.device), param.device_mesh, param.placements).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(values)
+            mesh = param.device_mesh
+            for dim, placement in enumerate(param.placements[:-1]):
+                if isinstance(placement, (Shard, _StridedShard)):
+                    values = torch.chunk(values, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)]
+            param.to_local().copy_(values)

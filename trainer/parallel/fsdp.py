@@ -6,6 +6,11 @@ parallelism the routed experts of a block are their own unit on the expert mesh 
 (embedding, final norm, head) is the last unit. Gradients are *summed*, not averaged: the
 loss is already divided by the global number of valid tokens (trainer/loss.py), so FSDP's
 default division by the data-parallel size would shrink them a second time.
+
+Routed experts under EP are already DTensors ``Shard(0)`` on "ep"; "efsdp"/"ehsdp" and "ep" are
+dims of one root mesh ("sparse", parallel_dims.py), so ``fully_shard`` stacks its dim-0 shard on
+top: placements ``(_StridedShard(0, split_factor=ep), Shard(0))`` on the [efsdp, ep] mesh (with a
+leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DCP.
 """
 
 from __future__ import annotations
@@ -103,16 +108,15 @@ def apply_fsdp(
             units[i].set_modules_to_backward_prefetch(prev)
 
 
-def _shard_groups(param: torch.Tensor, extra: dict[int, list]) -> tuple:
+def _shard_groups(param: torch.Tensor) -> tuple:
     """Process groups over which the local values of ``param`` are disjoint pieces."""
     groups = []
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         for dim, placement in enumerate(param.placements):
-            # FSDP over a TP-sharded dim uses _StridedShard, which is not a Shard subclass.
+            # FSDP over a TP- or EP-sharded dim uses _StridedShard, which is not a Shard subclass.
             if isinstance(placement, (Shard, _StridedShard)) and mesh.size(dim) > 1:
                 groups.append(mesh.get_group(dim))
-    groups += [g for g in extra.get(id(param), []) if dist.get_world_size(g) > 1]
     return tuple(groups)
 
 
@@ -130,16 +134,15 @@ def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm(parameters: Iterable[torch.Tensor], sharded_over: dict[int, list] | None = None) -> torch.Tensor:
+def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients of ``parameters``, wherever they live.
 
     Parameters are grouped by the process groups their local gradient values are split over
-    (the Shard dims of a DTensor's mesh, plus ``sharded_over[id(param)]``, e.g. the ep group of
-    expert weights split by ``apply_expert_parallel``); each group's sum of squares is summed
-    over those groups, and the groups are added. Replicated dims are counted once.
-    ``torch.nn.utils.clip_grad_norm_`` cannot do this: it refuses DTensors on different meshes.
+    (the Shard dims of a DTensor's mesh: e.g. [efsdp, ep] for routed experts under EP + FSDP);
+    each group's sum of squares is summed over those groups, and the groups are added.
+    Replicated dims are counted once. ``torch.nn.utils.clip_grad_norm_`` cannot do this: it
+    refuses DTensors on different meshes.
     """
-    extra = sharded_over or {}
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     device = None
     for p in parameters:
@@ -147,7 +150,7 @@ def grad_norm(parameters: Iterable[torch.Tensor], sharded_over: dict[int, list] 
             continue
         g = _local(p.grad)
         device = g.device
-        by_groups.setdefault(_shard_groups(p, extra), []).append(g)
+        by_groups.setdefault(_shard_groups(p), []).append(g)
     if device is None:
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -160,13 +163,11 @@ def grad_norm(parameters: Iterable[torch.Tensor], sharded_over: dict[int, list] 
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, sharded_over: dict[int, list] | None = None
-) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scales gradients so their global L2 norm is at most ``max_norm`` (``inf`` = only
     measure); returns the norm before clipping. See ``grad_norm``."""
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, sharded_over)
+    norm = grad_norm(params)
     if math.isfinite(max_norm) and params:
         # No host sync: the coefficient stays a tensor (1.0 when under the limit).
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -35,6 +35,12 @@ Mesh names (``mesh(name)``):
     "efsdp"         (dp_shard x cp) / ep: what FSDP shards expert params over
     "ehsdp"         [dp_replicate, efsdp] 2-D: expert FSDP mesh when dp_replicate > 1
     "context"       the mesh that shards the sequence: "ep" with ep_as_cp, else "cp"
+    "engram"        Engram table rows are split over it (only when ``engram > 1``; the name is
+                    ``engram_mesh_name``): ``engram`` consecutive ranks of the "loss" block, i.e.
+                    ranks that see different tokens. TP ranks share tokens, so each TP index
+                    has its own engram groups.
+    "engram_replicate"  the ranks holding the same table shard (loss_degree / engram of them),
+                    whose table gradients are summed
 
 EP-as-CP (MaxText): ``ep_as_cp=True`` requires ``cp == 1`` in the config; the ep ranks then
 shard the sequence outside the MoE (``context_degree == ep``) and the experts exchange tokens
@@ -50,6 +56,13 @@ class ParallelDimsError(ValueError):
     """A layout whose degrees do not fit the world size (raised before any process-group work)."""
 
 
+# Meshes built for every multi-process layout (the engram ones are named by the config).
+_MESH_NAMES = (
+    "world", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
+    "sparse", "context",
+)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -63,6 +76,8 @@ class ParallelDims:
     ep: int
     ep_as_cp: bool
     world_size: int
+    engram: int = 1
+    engram_mesh_name: str = "engram"
     _meshes: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +124,28 @@ class ParallelDims:
                 f"parallelism.ep = {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = {block} "
                 f"(expert parallelism borrows those ranks); pick ep in {_divisors(block)}"
             )
+        self._validate_engram()
+
+    def _validate_engram(self) -> None:
+        """The Engram table is split over ranks that see different tokens (dp_replicate x
+        dp_shard x cp); the degree must divide their number. -1 = all of them."""
+        tokens = self.loss_degree
+        if self.engram == -1:
+            self.engram = tokens
+        where = (
+            f"the ranks that see different tokens: dp_replicate x dp_shard x cp = {self.dp_replicate} x "
+            f"{self.dp_shard} x {self.cp} = {tokens} (tensor-parallel ranks share tokens)"
+        )
+        if self.engram < 1 or tokens % self.engram:
+            raise ParallelDimsError(
+                f"engram.embedding_parallel_degree = {self.engram} must divide {where}; pick one of "
+                f"{_divisors(tokens)}, or -1 for all {tokens}"
+            )
+        if self.engram > 1 and self.engram_mesh_name in _MESH_NAMES:
+            raise ParallelDimsError(
+                f"engram.mesh_name = {self.engram_mesh_name!r} is already a mesh of the layout; "
+                "pick another name (default 'engram')"
+            )
 
     # ----------------------------------------------------------------- degrees
     @property
@@ -139,6 +176,15 @@ class ParallelDims:
     @property
     def context_mesh_name(self) -> str:
         return "ep" if self.ep_as_cp else "cp"
+
+    @property
+    def engram_enabled(self) -> bool:
+        """Engram tables are row-sharded (over the ``engram_mesh_name`` mesh)."""
+        return self.engram > 1
+
+    @property
+    def engram_replicate_mesh_name(self) -> str:
+        return self.engram_mesh_name + "_replicate"
 
     @property
     def dp_enabled(self) -> bool:
@@ -232,6 +278,16 @@ class ParallelDims:
         if self.ep_as_cp:
             m["dp"] = sparse["dp_replicate", "efsdp"]._flatten("dp")
         m["context"] = m[self.context_mesh_name]
+        if self.engram_enabled:
+            # The "loss" block re-read as [replicas, engram] (engram fastest: neighbouring ranks
+            # exchange the lookups), a root mesh of its own like "sparse".
+            name, rep = self.engram_mesh_name, self.engram_replicate_mesh_name
+            grid = DeviceMesh(
+                device_type,
+                world.mesh.reshape(self.loss_degree // self.engram, self.engram, self.tp),
+                mesh_dim_names=(rep, name, "tp"),
+            )
+            m[name], m[rep] = grid[name], grid[rep]
 
     def mesh(self, name: str):
         """The DeviceMesh called ``name`` (see the module docstring)."""
@@ -269,12 +325,13 @@ class ParallelDims:
             parts.append("ep_as_cp")
         return f"world size {self.world_size} = " + " x ".join(parts[:4]) + " | " + ", ".join(parts[4:]) + (
             f" | data-parallel {self.dp_degree}, fsdp {self.fsdp_degree}, efsdp {self.efsdp}"
-        )
+        ) + (f", engram {self.engram}" if self.engram_enabled else "")
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> ParallelDims:
-        """From the ``[parallelism]`` section."""
+    def from_config(cls, parallelism, world_size: int, engram=None) -> ParallelDims:
+        """From the ``[parallelism]`` section (and ``[engram]``, when enabled, for its table split)."""
         p = parallelism
+        use_engram = engram is not None and engram.enable
         return cls(
             dp_replicate=p.dp_replicate,
             dp_shard=p.dp_shard,
@@ -283,4 +340,6 @@ class ParallelDims:
             ep=p.ep,
             ep_as_cp=p.ep_as_cp,
             world_size=world_size,
+            engram=engram.embedding_parallel_degree if use_engram else 1,
+            engram_mesh_name=engram.mesh_name if use_engram else "engram",
         )

@@ -2,7 +2,7 @@
 
 House order (docs: ARCHITECTURE.md section 1), all on the meta-device model:
 
-    TP -> EP -> CP -> AC -> compile -> FSDP2/HSDP      (then the trainer runs to_empty + init)
+    float8 -> TP -> EP -> CP -> AC -> compile -> Engram tables -> FSDP2/HSDP   (then to_empty + init)
 
 Each step is an ``apply_*`` of its own file; this module only decides which apply and on which
 mesh. Also here: the all-reduce the MoE bias update needs, and loading a full (single-device)
@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.moe import MoE
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.context_parallel import apply_context_parallel
-from trainer.parallel.expert_parallel import (
-    AllToAllTokenDispatcher,
-    apply_expert_parallel,
-    check_ep_comm_backend,
-    expert_parallel_params,
+from trainer.parallel.engram_parallel import (
+    apply_engram_parallel,
+    replicate_engram_tables,
+    table_row_ranges,
+    tables_hidden_from_fsdp,
 )
+from trainer.parallel.expert_parallel import apply_expert_parallel, check_ep_comm_backend
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
@@ -38,25 +38,23 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device_type: str = "cpu") -> nn.Module:
     """Applies every configured parallelism to ``model`` in place (and returns it).
 
-    ``cfg`` is the JobConfig; this reads ``[parallelism]``, ``[activation_checkpoint]`` and
+    ``cfg`` is the JobConfig; this reads ``[quantize]``, ``[parallelism]``, ``[activation_checkpoint]`` and
     ``training.compile`` / ``training.mixed_precision_param``. Meshes are built here if the
     caller has not built them yet.
     """
     dims, p = parallel_dims, cfg.parallelism
     if dims.world_size > 1:
         dims.build_meshes(device_type)
+    if cfg.quantize.float8:
+        # Model converters come first, so every parallelism wraps the converted modules.
+        from trainer.quantize import check_float8_support, convert_to_float8
+
+        check_float8_support(cfg.quantize, device_type, dims.tp_enabled)
+        convert_to_float8(model, cfg.quantize)
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.mesh("tp"))
 
     ac = cfg.activation_checkpoint
-    if ac.mode == "op" and dims.ep_enabled and dims.data_parallel_enabled:
-        # The experts' own FSDP unit sits inside the checkpointed block, and its hooks issue a
-        # different number of profiler ops in recompute than in forward, which per-op SAC's
-        # replay rejects.
-        raise ValueError(
-            "activation_checkpoint.mode = 'op' is not supported together with expert parallelism "
-            "and FSDP yet; use 'full' or 'selective'"
-        )
     if dims.ep_enabled:
         check_ep_comm_backend(p.expert_parallel_comm_backend, device_type)
         apply_expert_parallel(model, dims.mesh("ep"))
@@ -72,19 +70,26 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device
 
         apply_compile(model)
 
+    if dims.engram_enabled:
+        replicate = dims.mesh_or_none(dims.engram_replicate_mesh_name)
+        apply_engram_parallel(model, dims.mesh(dims.engram_mesh_name), cfg.engram.precompute, replicate)
+    elif dims.loss_enabled:  # embedding_parallel_degree 1: whole tables on every rank
+        replicate_engram_tables(model, dims.mesh("loss"))
+
     if dims.data_parallel_enabled:
         dense_mesh = dims.mesh("hsdp") if dims.dp_replicate_enabled else dims.mesh("fsdp")
         expert_mesh = None
         if dims.ep_enabled:
             expert_mesh = dims.mesh("ehsdp") if dims.dp_replicate_enabled else dims.mesh("efsdp")
-        apply_fsdp(
-            model,
-            dense_mesh,
-            expert_mesh,
-            param_dtype=DTYPES[cfg.training.mixed_precision_param],
-            reduce_dtype=torch.float32,
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-        )
+        with tables_hidden_from_fsdp(model):  # Engram tables stay out of FSDP
+            apply_fsdp(
+                model,
+                dense_mesh,
+                expert_mesh,
+                param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                reduce_dtype=torch.float32,
+                reshard_after_forward=p.fsdp_reshard_after_forward,
+            )
     return model
 
 
@@ -103,22 +108,6 @@ def build_reduce_counts(parallel_dims: ParallelDims) -> Callable[[torch.Tensor],
     return reduce_counts
 
 
-def gradient_shard_groups(model: nn.Module) -> dict[int, list]:
-    """Extra sharding of parameters that DTensor placements do not show (for ``grad_norm``)."""
-    return expert_parallel_params(model)
-
-
-def _global_slice(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Parameter name -> [start, stop) rows of the full tensor held under EP."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, MoE) and isinstance(module.dispatcher, AllToAllTokenDispatcher):
-            prefix = f"{mod_name}.experts." if mod_name else "experts."
-            for pname in ("w1", "w2", "w3"):
-                out[_clean(prefix + pname)] = module.dispatcher.local_expert_range
-    return out
-
-
 def _clean(name: str) -> str:
     # checkpoint_wrapper and torch.compile insert these into parameter names.
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -126,19 +115,18 @@ def _clean(name: str) -> str:
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copies single-device tensors (``full[name]``) into the parallel model in place:
-    EP-local experts get their rows, DTensors their shard. Parameter identity is kept."""
-    slices = _global_slice(model)
+    """Copies single-device tensors (``full[name]``) into the parallel model in place: each
+    DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
+    table_rows = table_row_ranges(model, _clean)  # Engram tables may hold a row range only
     for raw_name, tensor in tensors.items():
         name = _clean(raw_name)
         if name not in full:
             continue
         src = full[name]
-        if name in slices:
-            start, stop = slices[name]
-            src = src[start:stop]
+        if name in table_rows:
+            src = src[slice(*table_rows[name])]
         if isinstance(tensor, DTensor):
             local = distribute_tensor(src.to(tensor.device), tensor.device_mesh, tensor.placements).to_local()
             tensor.to_local().copy_(local)

@@ -1,0 +1,334 @@
+"""Whole training step of a flavor: eager vs torch.compile, bf16 vs float8 (GPU), in one process.
+
+Every variant is the trainer's own ``Trainer`` (trainer/train.py: model build, parallelize
+incl. the float8 converter and compile, loss, optimizer, data loader) built from the same
+config and seed, so all see the same weights and the same batches; a timed step is
+``Trainer.train_step`` (forward + backward of the whole objective, clipping, optimizer), with
+the batches fetched before the clock starts. After ``--warmup`` steps each (compiles happen
+there), the timed steps are interleaved round by round over the variants, so machine noise hits
+them alike, in ``--repeats`` blocks of ``--steps`` steps: tokens/s is computed per block from
+its median step, and the spread (max - min) / median over the blocks is the run-to-run
+reproducibility figure. On CPU the same is also reported per process CPU-second
+(``time.process_time``): wall time on a shared machine moves with whatever else takes the cores,
+CPU time much less (shared caches and memory bandwidth still move it).
+
+Reported per variant: tokens/s, model TFLOP/s and MFU, peak memory, ratios to the first
+variant. FLOPs convention (models/deepseek_v3/stats.py): 6 x *active* non-embedding parameters
+per token + the attention term 6 x layers x heads x (qk_head_dim + v_head_dim) x seq_len, without
+causal halving, MTP modules included. MFU needs the device peak: known GPUs are looked up
+(trainer/metrics.py), elsewhere pass ``--peak-flops``.
+
+Peak memory is the variant's own: the bytes of its parameters and optimizer states (gradients
+are freed between steps) plus the peak of what its step allocates on top: on CUDA the
+allocator's peak during its timed steps minus what was allocated before the step (other
+variants' models share the device); on CPU, where torch keeps no allocator statistics, one extra
+untimed step under ``torch.profiler`` with ``profile_memory=True``, whose memory events carry
+the running total of bytes allocated since profiling started. Both count every byte torch
+allocates (activations, gradients, temporaries), i.e. what scripts/estimate_memory.py models;
+the process RSS would add the Python and library runtime.
+
+    python benchmarks/step_bench.py                      # CPU: debugmodel, fp32, eager vs compile
+    python benchmarks/step_bench.py --flavor proxy_1b --seq-len 4096 --batch-size 1   # GPU, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from trainer.config import load_config  # noqa: E402
+from trainer.train import Trainer  # noqa: E402
+
+FLOPS_CONVENTION = (
+    "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "
+    "(models/deepseek_v3/stats.py)"
+)
+VARIANTS = {
+    "eager": [],
+    "compile": ["--training.compile"],
+    "eager_float8": ["--quantize.float8"],
+    "compile_float8": ["--training.compile", "--quantize.float8"],
+}
+
+
+def float8_unavailable_reason(device: torch.device) -> str | None:
+    """Why a float8 speed variant cannot run here (None when it can)."""
+    if device.type != "cuda":
+        return (
+            f"float8 matmuls need a CUDA GPU with compute capability >= 8.9; on {device.type} torchao can "
+            "only emulate them, which says nothing about speed"
+        )
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"this GPU has compute capability {cap[0]}.{cap[1]}; float8 needs >= 8.9"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "torchao is not installed (pip install torchao)"
+    return None
+
+
+def build_trainer(name: str, a, folder: Path) -> Trainer:
+    argv = [
+        "--job.dump_folder", str(folder / name),
+        "--model.flavor", a.flavor,
+        "--training.seq_len", str(a.seq_len),
+        "--training.local_batch_size", str(a.batch_size),
+        "--training.mixed_precision_param", "bfloat16" if a.dtype == "bf16" else "float32",
+        "--training.seed", str(a.seed),
+        "--training.device", a.device,
+        "--training.steps", str(a.warmup + a.steps * a.repeats + 2),
+        "--activation_checkpoint.mode", a.ac,
+        "--no-validation.enable",
+        "--no-job.print_config",
+        *VARIANTS[name],
+    ]
+    if "--quantize.float8" in argv and a.float8_experts:
+        argv.append("--quantize.float8_experts")
+    if a.peak_flops:
+        argv += ["--metrics.peak_flops", str(a.peak_flops)]
+    # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
+    with contextlib.redirect_stdout(sys.stderr):
+        trainer = Trainer(load_config(argv))
+    trainer.train_iter = iter(trainer.train_loader)
+    return trainer
+
+
+def state_bytes(trainer: Trainer) -> int:
+    """Parameters and optimizer states of one variant (gradients are freed between steps)."""
+    tensors = list(trainer.model.parameters())
+    for state in trainer.optimizer.state.values():
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_estimate_mib(trainer: Trainer, a) -> float | None:
+    """scripts/estimate_memory.py for this single-device config (its model is only AC none/full)."""
+    if a.ac not in ("none", "full"):
+        return None
+    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "scripts" / "estimate_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    est = module.estimate(
+        a.flavor, 1, 1, 1, 1, a.seq_len, a.batch_size, a.ac,
+        mixed_precision=trainer.cfg.training.mixed_precision_param, model_args=trainer.model_args,
+    )
+    return est["gib"]["total"] * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Variant:
+    def __init__(self, name: str, trainer: Trainer):
+        self.name, self.trainer = name, trainer
+        self.blocks: list[list[float]] = []
+        self.cpu_blocks: list[list[float]] = []
+        self.cuda_peaks: list[int] = []
+        self.losses: list[float] = []
+        self.warmup_s = 0.0
+        self.memory_note = ""
+        self.peak_bytes: int | None = None
+
+    def step(self, measure_cuda_memory: bool = False) -> tuple[float, float]:
+        t, device = self.trainer, self.trainer.device
+        batches, _ = t.next_microbatches()  # outside the clock: data loading is not step time
+        t.step += 1
+        _sync(device)
+        if measure_cuda_memory:
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        stats = t.train_step(batches)
+        _sync(device)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if measure_cuda_memory:
+            self.cuda_peaks.append(torch.cuda.max_memory_allocated(device) - before)
+        self.losses.append(stats["loss"])
+        return elapsed, cpu
+
+    def measure_cpu_memory(self, folder: Path) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            self.step()
+        trace = folder / f"{self.name}_memory_trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        os.remove(trace)
+        totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+        if not totals:
+            self.memory_note = "the profiler recorded no memory events"
+            return
+        self.peak_bytes = max(totals) + state_bytes(self.trainer)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="proxy_1b" if cuda else "debugmodel")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32",
+                   help="bf16 = the trainer's mixed precision (bf16 autocast, fp32 master weights)")
+    p.add_argument("--seq-len", type=int, default=4096 if cuda else 256)
+    p.add_argument("--batch-size", type=int, default=1 if cuda else 4)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat block")
+    p.add_argument("--repeats", type=int, default=3, help="timed blocks; their spread is the reproducibility figure")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compiles)")
+    p.add_argument("--variants", default="eager,compile,compile_float8",
+                   help=f"comma-separated, first one is the ratio baseline; of {', '.join(VARIANTS)}")
+    p.add_argument("--float8-experts", action="store_true", help="float8 variants also convert the routed experts")
+    p.add_argument("--ac", default="none", choices=("none", "full", "selective", "op"), help="activation checkpointing")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--peak-flops", type=float, default=0.0, help="device peak FLOP/s for MFU; 0 = look it up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the JSON result to this file")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    names = [n.strip() for n in a.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    skipped = {}
+    reason = float8_unavailable_reason(device)
+    if reason is not None:
+        for n in [n for n in names if "float8" in n]:
+            skipped[n] = reason
+            names.remove(n)
+            print(f"skipping {n}: {reason}", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
+        variants = [Variant(n, build_trainer(n, a, Path(tmp))) for n in names]
+        for v in variants:
+            start = time.perf_counter()
+            for _ in range(a.warmup):
+                v.step()
+            v.warmup_s = time.perf_counter() - start
+        for _ in range(a.repeats):
+            for v in variants:
+                v.blocks.append([])
+                v.cpu_blocks.append([])
+            for _ in range(a.steps):
+                for v in variants:
+                    wall, cpu = v.step(measure_cuda_memory=device.type == "cuda")
+                    v.blocks[-1].append(wall)
+                    v.cpu_blocks[-1].append(cpu)
+        for v in variants:
+            if device.type == "cuda":
+                v.peak_bytes = max(v.cuda_peaks) + state_bytes(v.trainer)
+            else:
+                v.measure_cpu_memory(Path(tmp))
+        for v in variants:
+            v.trainer.close()
+
+    first = variants[0].trainer
+    tokens = a.batch_size * a.seq_len
+    result = {
+        "benchmark": "train_step",
+        "flavor": a.flavor, "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "steps": a.steps, "repeats": a.repeats, "warmup": a.warmup, "ac": a.ac,
+        "params_total": first.n_params, "params_active": first.n_active,
+        "flops_per_token": first.flops_per_token, "flops_convention": FLOPS_CONVENTION,
+        "peak_flops": first.peak_flops,
+        "memory_estimate_mib": memory_estimate_mib(first, a),
+        "memory": "own params + optimizer states + peak allocated by the step ("
+        + ("cuda allocator stats)" if device.type == "cuda" else "torch.profiler memory events)"),
+        "variants": {}, "skipped": skipped,
+    }
+    for v in variants:
+        per_block = [tokens / statistics.median(b) for b in v.blocks]
+        med_tps = statistics.median(per_block)
+        r = {
+            "median_step_s": statistics.median([t for b in v.blocks for t in b]),
+            "tokens_per_s": med_tps,
+            "tokens_per_s_per_repeat": per_block,
+            "repeat_spread_pct": 100.0 * (max(per_block) - min(per_block)) / med_tps,
+            "tflops": med_tps * first.flops_per_token / 1e12,
+            "mfu_pct": 100.0 * med_tps * first.flops_per_token / first.peak_flops if first.peak_flops else None,
+            "peak_mem_mib": v.peak_bytes / 2**20 if v.peak_bytes is not None else None,
+            "warmup_s": v.warmup_s,
+            "final_loss": v.losses[-1],
+        }
+        if device.type == "cpu":
+            # Process CPU seconds: the step's own compute, which other processes taking the cores
+            # disturb less than wall time (caches and memory bandwidth are still shared);
+            # reported next to, never instead of, wall time.
+            per_block_cpu = [tokens / statistics.median(b) for b in v.cpu_blocks]
+            r["tokens_per_cpu_s"] = statistics.median(per_block_cpu)
+            r["tokens_per_cpu_s_per_repeat"] = per_block_cpu
+            r["cpu_repeat_spread_pct"] = 100.0 * (max(per_block_cpu) - min(per_block_cpu)) / r["tokens_per_cpu_s"]
+        if v.memory_note:
+            r["memory_note"] = v.memory_note
+        result["variants"][v.name] = r
+    base = result["variants"][variants[0].name]
+    for r in result["variants"].values():
+        r["speed_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if r["peak_mem_mib"] and base["peak_mem_mib"]:
+            r["memory_vs_first"] = r["peak_mem_mib"] / base["peak_mem_mib"]
+        if r["peak_mem_mib"] and result["memory_estimate_mib"]:
+            r["estimate_vs_measured"] = result["memory_estimate_mib"] / r["peak_mem_mib"]
+    # Same weights, same batches: the variants' losses stay close (compile reorders float ops).
+    result["max_loss_diff_vs_first"] = max(
+        (abs(x - y) for v in variants[1:] for x, y in zip(v.losses, variants[0].losses)), default=0.0
+    )
+
+    print(json.dumps(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    print()
+    print(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    mfu_known = result["peak_flops"] is not None
+    lines = [
+        f"{result['flavor']}, {result['dtype']}, {result['device']}, batch {result['batch_size']} x "
+        f"{result['seq_len']}, {result['repeats']} blocks of {result['steps']} steps; "
+        f"FLOPs/token {result['flops_per_token']:.3g} ({result['flops_convention']})",
+        "",
+        "| variant | tokens/s | spread over repeats | TFLOP/s | MFU | peak memory (MiB) | speed vs first | memory vs first |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["variants"].items():
+        mfu = f"{r['mfu_pct']:.1f}%" if mfu_known else "n/a (peak unknown)"
+        mem = f"{r['peak_mem_mib']:.1f}" if r["peak_mem_mib"] is not None else "n/a"
+        mem_ratio = f"{r['memory_vs_first']:.3f}" if "memory_vs_first" in r else "n/a"
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['repeat_spread_pct']:.1f}% | {r['tflops']:.3f} | {mfu} | "
+            f"{mem} | {r['speed_vs_first']:.3f} | {mem_ratio} |"
+        )
+    for name, why in result["skipped"].items():
+        lines.append(f"| {name} | skipped: {why} | | | | | | |")
+    cpu = {n: r for n, r in result["variants"].items() if "tokens_per_cpu_s" in r}
+    if cpu:
+        lines += ["", "Per process CPU-second (less affected by other processes on the cores than wall time): " + ", ".join(
+            f"{n} {r['tokens_per_cpu_s']:,.0f} tokens/CPU-s (spread {r['cpu_repeat_spread_pct']:.1f}%)"
+            for n, r in cpu.items()
+        )]
+    if result["memory_estimate_mib"] is not None:
+        ratios = ", ".join(
+            f"{n} {r['estimate_vs_measured']:.3f}" for n, r in result["variants"].items() if "estimate_vs_measured" in r
+        )
+        lines += ["", f"scripts/estimate_memory.py: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
+                      f"{ratios or 'n/a'}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""benchmarks/step_bench.py (the trainer's own step, variants, repeats, memory), the memory estimate
+against the measured peak, and run_all's parsing."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_bench_and_memory_estimate_within_15_percent(tmp_path, capsys):
+    step_bench = _load("step_bench")
+    out = tmp_path / "r.json"
+    result = step_bench.main(
+        ["--seq-len", "128", "--batch-size", "2", "--steps", "1", "--repeats", "2", "--warmup", "1",
+         "--variants", "eager,eager_float8", "--device", "cpu", "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert list(result["variants"]) == ["eager"]
+    assert "compute capability" in result["skipped"]["eager_float8"]
+    r = result["variants"]["eager"]
+    assert len(r["tokens_per_s_per_repeat"]) == 2 and r["speed_vs_first"] == 1.0
+    assert r["tflops"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12)
+    assert r["mfu_pct"] is None  # no known CPU peak
+    # Every byte torch allocates in one step: at least parameters + AdamW states.
+    assert r["peak_mem_mib"] * 2**20 > 12 * result["params_total"]
+    # scripts/estimate_memory.py for the same debug-flavor config (fp32, no AC, one device).
+    assert abs(r["estimate_vs_measured"] - 1) <= 0.15, (result["memory_estimate_mib"], r["peak_mem_mib"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("{") and "| eager |" in printed and "skipped:" in printed
+
+
+def test_run_all_reads_each_output_kind(tmp_path):
+    run_all = _load("run_all")
+    result, md = run_all.parse("json_first", '{"a": 1}\n\n| t |\n', None)
+    assert result == {"a": 1} and md == "| t |"
+    (tmp_path / "cp.json").write_text('{"cp": 2}')
+    assert run_all.parse("json_file", 'header\n{"cp": 2}\n', tmp_path / "cp.json") == ({"cp": 2}, "    header")
+    text = "step time without Engram 489.0 ms | with Engram at layers [1, 3] (K=4, D_h=16) 366.0 ms | ratio 0.748\n"
+    assert run_all.parse("engram_text", text, None)[0] == {"ms_without": 489.0, "ms_with": 366.0, "ratio": 0.748}
