@@ -285,8 +285,8 @@ class Trainer:
         engram_ids = hasher(inputs) if hasher is not None else None
         extra = {}
         if self.context_parallel is not None:
-            shard = self.context_parallel.shard_batch(inputs, labels)
-            inputs, labels = shard.tokens, shard.labels
+            shard = self.context_parallel.shard_batch(inputs, labels, engram_ids)
+            inputs, labels, engram_ids = shard.tokens, shard.labels, shard.engram_ids
             extra = {"positions": shard.positions, "attn_mask": shard.attn_mask}
         tp = self.parallel_dims.tp_enabled
         with self.autocast(), maybe_loss_parallel(tp):
@@ -358,10 +358,18 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         depth = self.model_args.mtp_depth
         cp = self.context_parallel
+        # Engram ids are hashed from the full sequences, before any context split (n-grams cross chunk borders).
+        hasher = self.model.engram_hasher
+        engram_ids = [hasher(inputs) if hasher is not None else None for inputs, _ in batches]
         # Context parallelism: keep this rank's head-tail chunks of every sequence (counts are then local).
-        shards = [cp.shard_batch(inputs, labels) for inputs, labels in batches] if cp is not None else None
+        shards = (
+            [cp.shard_batch(inputs, labels, ids) for (inputs, labels), ids in zip(batches, engram_ids)]
+            if cp is not None
+            else None
+        )
         if shards is not None:
             batches = [(shard.tokens, shard.labels) for shard in shards]
+            engram_ids = [shard.engram_ids for shard in shards]
         n_valid = sum(count_valid(labels) for _, labels in batches)
         # MTP depth k predicts labels shifted by k+1, so its last k+1 positions have no target.
         if shards is None:
@@ -377,12 +385,9 @@ class Trainer:
         mtp_total = torch.zeros((), device=self.device)
         tp = self.parallel_dims.tp_enabled
         for i, (inputs, labels) in enumerate(batches):
-            # Engram ids are hashed here, from the full sequence, before any context split.
-            hasher = self.model.engram_hasher
-            engram_ids = hasher(inputs) if hasher is not None else None
             shard = {} if shards is None else {"positions": shards[i].positions, "attn_mask": shards[i].attn_mask}
             with self.autocast(), maybe_loss_parallel(tp):
-                out = self.model(inputs, labels=labels, engram_ids=engram_ids, **shard)
+                out = self.model(inputs, labels=labels, engram_ids=engram_ids[i], **shard)
                 loss = self.loss_fn(out.logits, labels) / n_valid
                 if self.step == self.cfg.training.debug_inject_nan_step:
                     loss = loss * float("nan")

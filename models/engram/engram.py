@@ -53,6 +53,9 @@ class Engram(nn.Module):
         )
         # Gate statistics of the forwards since the last `pop_gate_stats` (sum, sum of squares, count).
         self.register_buffer("gate_stats", torch.zeros(3), persistent=False)
+        # Context parallelism installs a hook that supplies the conv's left context from other
+        # ranks (trainer/parallel/context_parallel.py); None = the sequence is whole on this device.
+        self.context_exchange = None
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """h: `[B, S, dim]` residual stream; rows: `[B, S, H, D_h]`. Returns Y `[B, S, dim]`."""
@@ -67,11 +70,18 @@ class Engram(nn.Module):
                 [alpha.sum(), alpha.square().sum(), alpha.new_tensor(alpha.numel())]
             ).to(self.gate_stats.dtype)
         value = alpha.unsqueeze(-1).to(v.dtype) * v  # [B, S, dim]
-        x = self.conv_norm(value).transpose(1, 2)  # [B, dim, S]
+        x = self.conv_norm(value)
         # Causal: the output at t sees t, t-N, ..., t-(kernel-1)*N.
-        x = F.pad(x, ((self.kernel_size - 1) * self.max_ngram, 0))
-        conv_out = self.conv(x).transpose(1, 2)  # [B, S, dim]
+        context = (self.kernel_size - 1) * self.max_ngram
+        if self.context_exchange is None:
+            conv_out = self._valid_conv(F.pad(x, (0, 0, context, 0)))
+        else:
+            conv_out = self.context_exchange(x, self._valid_conv, context)
         return value + F.silu(conv_out)
+
+    def _valid_conv(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, context + S, dim]` (the S positions after their left context) -> `[B, S, dim]`."""
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
 
     @torch.no_grad()
     def pop_gate_stats(self) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """Worker of tests/distributed/test_engram_parallel.py: one gloo rank of a sharded-Engram run.
 
 Every rank also builds the unsharded reference (one process, full tables, the tokens of ALL
-ranks as one batch) and compares its own slice of the results with it.
+ranks as one batch) and compares its own slice of the results with it; `check_context_parallel`
+does the same for a context-parallel split of those sequences.
 """
 
 import dataclasses
@@ -18,15 +19,20 @@ VOCAB, B, S = 32, 2, 16
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=29, head_dim=4, seed=5)
 
 
-def build_model() -> DeepSeekV3Model:
+def build_model(engram: EngramArgs = ENGRAM, conv_std: float = 0.0) -> DeepSeekV3Model:
+    """conv_std > 0: a random short conv instead of the zero init, so that it mixes positions."""
     args = dataclasses.replace(
         get_flavor("debugmodel"), n_layers=2, dim=32, inter_dim=64, moe_inter_dim=16, n_heads=2,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_seq_len=S,
-        mtp_depth=0, vocab_size=VOCAB, eos_id=1, engram=ENGRAM,
+        mtp_depth=0, vocab_size=VOCAB, eos_id=1, engram=engram,
     )
     torch.manual_seed(0)
     model = DeepSeekV3Model(args)
     model.init_weights()
+    if conv_std > 0:
+        with torch.no_grad():
+            for m in engram_modules(model):
+                m.conv.weight.normal_(0.0, conv_std)
     return model
 
 
@@ -132,12 +138,57 @@ def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
         for q, p in zip(offloaded, tables):
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
+        if precompute:  # once per world size
+            check_context_parallel(rank, world, group, hasher, all_tokens, labels_all)
         queue.put((rank, {"forward_a2a": fwd.calls, "backward_a2a": bwd.calls}))
     except Exception as e:  # report to the parent instead of hanging it
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise
     finally:
         dist.destroy_process_group()
+
+
+def check_context_parallel(rank, world, group, hasher, tokens, labels) -> None:
+    """Context parallelism over the same ranks, with the tables also split over them: the
+    sequences of ALL ranks, cut head-tail into 2 x world chunks, against the unsplit model.
+
+    Kernel 2 (left context (2-1) x 3 = 3 positions) with S = 16: chunks of 8 and 4 (world 1, 2)
+    take the context from one chunk, chunks of 2 (world 4) from two. The conv is random, so a
+    missing or misplaced left context, or ids hashed after the split, change the logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.context_parallel import apply_context_parallel, load_balanced_positions
+    from trainer.parallel.engram_parallel import apply_engram_parallel
+
+    engram = dataclasses.replace(ENGRAM, kernel_size=2)
+    n_global = labels.numel()
+    ref = build_model(engram, conv_std=0.5)
+    out_ref = ref(tokens, engram_ids=hasher(tokens))
+    (cross_entropy_sum(out_ref.logits, labels) / n_global).backward()
+
+    model = build_model(engram, conv_std=0.5)
+    apply_engram_parallel(model, group)
+    cp = apply_context_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    full_ids = hasher(tokens)
+    b = cp.shard_batch(tokens, labels, full_ids)  # hashed before the split, as the trainer does
+    q_pos = load_balanced_positions(S, world, rank)
+    assert torch.equal(b.engram_ids, full_ids[:, q_pos])
+    if world > 1:  # hashing the shard itself would be wrong at the chunk starts
+        assert not torch.equal(b.engram_ids, hasher(b.tokens))
+    out = model(b.tokens, positions=b.positions, attn_mask=b.attn_mask, engram_ids=b.engram_ids)
+    (cross_entropy_sum(out.logits, b.labels) / n_global).backward()
+    torch.testing.assert_close(out.logits, out_ref.logits[:, q_pos], rtol=1e-5, atol=1e-6)
+
+    tables = {id(m.table.weight): m for m in engram_modules(model)}
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in tables:  # this rank's rows, already summed over the ranks by the lookup
+            start = tables[id(p)].table.row_start
+            expected = p_ref.grad[start : start + p.shape[0]]
+            grad = p.grad
+        else:  # replicated weight: each rank holds its tokens' part of the gradient
+            expected, grad = p_ref.grad, p.grad.clone()
+            dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 class _NoData:

@@ -4,7 +4,9 @@ Each rank sees different tokens (with n-grams repeated within and across ranks).
 rank (see engram_worker.py): logits, table gradients, the shard-once gradient norm, the
 parameters after an Adam step (also with CPU-held optimizer state), identical hash constants on
 every rank, and the number of all-to-alls per step with precompute on (one exchange for all
-layers) and off (one per layer).
+layers) and off (one per layer). With precompute on, each world size also checks context
+parallelism over the same ranks (ids hashed before the split, the short conv's left context from
+the other ranks): logits and every gradient against the unsplit model.
 """
 
 import socket

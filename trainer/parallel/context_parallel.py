@@ -16,9 +16,16 @@ summed by FSDP like any replicated weight) and runs its local queries against al
 mask built from global positions. The all-gather's backward is a reduce-scatter (funcol's
 autograd all-gather), which sums every rank's contribution to each token's latent gradient.
 
-The model stays single-device: `apply_context_parallel` sets `MLA.latent_exchange` hooks, and
-`ContextParallel.shard_batch` turns a full batch into this rank's tokens, labels, positions and
-attention mask, which the trainer passes to `model(tokens, labels, positions=, attn_mask=)`.
+Engram (per Engram layer): the n-gram ids are hashed from the FULL sequence before the split
+(an n-gram crosses chunk borders), and `shard_batch` keeps this rank's positions of them. The
+short conv (kernel k, dilation N) at position t reads t - (k-1)N .. t, so each chunk needs the
+last (k-1)N conv inputs of the chunks before it: `ConvLeftContext` all-gathers only those
+(2 x (k-1)N positions per rank, whole chunks when a chunk is shorter than that).
+
+The model stays single-device: `apply_context_parallel` sets `MLA.latent_exchange` and
+`Engram.context_exchange` hooks, and `ContextParallel.shard_batch` turns a full batch into this
+rank's tokens, labels, positions, attention mask (and Engram ids), which the trainer passes to
+`model(tokens, labels, positions=, attn_mask=, engram_ids=)`.
 Losses and router counts of the shards must be summed over the "loss" mesh (dp x cp).
 """
 
@@ -31,6 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from models.common.attention import MLA, document_ids
+from models.engram import Engram
 from trainer.loss import IGNORE_INDEX
 
 
@@ -76,6 +84,46 @@ class LatentAllGather:
         return kv, k_pe.unsqueeze(2)
 
 
+class ConvLeftContext:
+    """`Engram.context_exchange` hook: runs the causal short conv on this rank's head-tail chunks
+    with their left context gathered from the ranks that hold the preceding chunks.
+
+    Each rank contributes the last `m = min(context, chunk)` conv inputs of its two chunks; after
+    the all-gather (backward: reduce-scatter, so every rank's use of a position's input sends its
+    gradient home) they are put in global chunk order, and chunk c is prefixed with the last
+    `context` of the ends of chunks 0..c-1 (zeros before the sequence start, as the unsplit
+    conv's padding). The chunk layout is `load_balanced_positions`, as produced by `shard_batch`.
+    """
+
+    def __init__(self, group, size: int, rank: int):
+        self.group = group
+        self.size = size
+        self.rank = rank
+
+    def __call__(self, x: torch.Tensor, conv, context: int) -> torch.Tensor:
+        """x: `[B, S_local, dim]` conv inputs; conv: `[B', context + n, dim] -> [B', n, dim]`."""
+        if context == 0:  # kernel 1: nothing crosses a chunk border
+            return conv(x)
+        bsz, s_local, dim = x.shape
+        chunk = s_local // 2
+        m = min(context, chunk)
+        head, tail = x[:, :chunk], x[:, chunk:]
+        ends = torch.cat([head[:, chunk - m :], tail[:, chunk - m :]], dim=1)  # (B, 2m, dim)
+        full = funcol.wait_tensor(_all_gather_autograd(ends, gather_dim=1, group=self.group))
+        full = full.unflatten(1, (self.size, 2, m))  # rank-major: rank r holds chunks r, 2cp-1-r
+        # Global chunk order: heads of ranks 0..cp-1 are chunks 0..cp-1, tails of ranks cp-1..0 the rest.
+        ordered = torch.cat([full[:, :, 0], full[:, :, 1].flip(1)], dim=1)  # (B, 2cp, m, dim)
+        pad = x.new_zeros(bsz, context, dim)
+
+        def left_of(c: int) -> torch.Tensor:
+            return torch.cat([pad, ordered[:, :c].flatten(1, 2)], dim=1)[:, -context:]
+
+        head_in = torch.cat([left_of(self.rank), head], dim=1)
+        tail_in = torch.cat([left_of(2 * self.size - 1 - self.rank), tail], dim=1)
+        out = conv(torch.cat([head_in, tail_in], dim=0))  # both chunks in one conv call
+        return torch.cat(out.split(bsz, dim=0), dim=1)
+
+
 class CPBatch(NamedTuple):
     tokens: torch.Tensor
     """`[B, S / cp]` this rank's input ids."""
@@ -89,6 +137,8 @@ class CPBatch(NamedTuple):
     """Per MTP depth k, `[B, S / cp]` targets `labels[i + k + 1]` (shifted on the *full* sequence,
     then sharded; IGNORE_INDEX past the end). Score them with a plain cross-entropy, not `mtp_loss`
     (which shifts within the local shard)."""
+    engram_ids: torch.Tensor | None = None
+    """`[B, S / cp, L, H]` this rank's rows of the Engram ids hashed from the full sequence."""
 
 
 class ContextParallel:
@@ -114,8 +164,11 @@ class ContextParallel:
         """The splitter matching a model's `DeepSeekV3ModelArgs`."""
         return cls(mesh, args.attn_mask_type, args.eos_id, args.attn_backend, args.mtp_depth)
 
-    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> CPBatch:
-        """tokens, labels: the full `[B, S]` batch (identical on every context rank)."""
+    def shard_batch(
+        self, tokens: torch.Tensor, labels: torch.Tensor, engram_ids: torch.Tensor | None = None
+    ) -> CPBatch:
+        """tokens, labels: the full `[B, S]` batch (identical on every context rank); engram_ids:
+        `NgramHasher(tokens)` of that full batch (n-grams cross the chunk borders), or None."""
         seq_len = tokens.shape[1]
         device = tokens.device
         q_pos = load_balanced_positions(seq_len, self.size, self.rank, device)
@@ -131,6 +184,7 @@ class ContextParallel:
             positions=q_pos,
             attn_mask=self.attention_mask(tokens, q_pos, kv_pos),
             mtp_labels=mtp_labels,
+            engram_ids=None if engram_ids is None else engram_ids[:, q_pos],
         )
 
     def attention_mask(self, tokens: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor):
@@ -157,8 +211,9 @@ class ContextParallel:
 
 
 def apply_context_parallel(model: nn.Module, context_mesh) -> ContextParallel:
-    """Installs the latent all-gather in every MLA of `model` (MTP blocks included) and returns
-    the batch splitter. `context_mesh` is `ParallelDims.mesh("context")`."""
+    """Installs the latent all-gather in every MLA of `model` (MTP blocks included) and the conv
+    left-context exchange in every Engram, and returns the batch splitter. `context_mesh` is
+    `ParallelDims.mesh("context")`."""
     args = model.args
     if args.mtp_depth > 1:
         # MTP depth k > 0 embeds labels shifted by k inside the model, which a sharded
@@ -167,11 +222,10 @@ def apply_context_parallel(model: nn.Module, context_mesh) -> ContextParallel:
             f"context parallelism supports mtp_depth <= 1 (the V3 setting), got {args.mtp_depth}; "
             "set --model.mtp_depth 1 or 0"
         )
-    if getattr(args, "engram", None) is not None:
-        # Engram's causal convolution mixes neighbouring positions, which head-tail shards split.
-        raise ValueError("context parallelism does not support Engram layers yet; set cp = 1 (and ep_as_cp = false)")
     group = context_mesh.get_group()
     for module in model.modules():
         if isinstance(module, MLA):
             module.latent_exchange = LatentAllGather(group)
+        elif isinstance(module, Engram):
+            module.context_exchange = ConvLeftContext(group, context_mesh.size(), context_mesh.get_local_rank())
     return ContextParallel.for_model(context_mesh, args)
