@@ -139,6 +139,11 @@ def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
         if precompute:  # once per world size
+            # The rows' all-to-all is left in flight when the lookup returns (the blocks before
+            # the first Engram layer can run meanwhile) and is waited on by the first read.
+            pending_rows = model.engram_lookup([m.table for m in engram_modules(model)], hasher(tokens))
+            assert pending_rows.pending, "the rows' all-to-all was waited on before any layer read them"
+            assert pending_rows[0].shape[:2] == tokens.shape and not pending_rows.pending
             check_context_parallel(rank, world, group, hasher, all_tokens, labels_all)
         queue.put((rank, {"forward_a2a": fwd.calls, "backward_a2a": bwd.calls}))
     except Exception as e:  # report to the parent instead of hanging it

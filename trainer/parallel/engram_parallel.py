@@ -12,6 +12,8 @@ may be empty for tiny tables). A lookup of global row `i` goes to `owner = i // 
 so the tables get dense per-shard gradients that already sum every rank's tokens of the group.
 With `precompute=True` the lookups of all Engram layers of a step share one count exchange and
 one pair of all-to-alls; otherwise each layer exchanges when the model first reads its rows.
+The rows' all-to-all is asynchronous and waited on when the first Engram layer reads its rows,
+so on GPU it overlaps the blocks before that layer.
 
 Gradients: table grads need no reduction within the engram group; ranks holding the *same*
 shard in different engram groups (e.g. engram degree 2 in a world of 4) sum theirs with
@@ -65,14 +67,19 @@ def shard_rows(num_rows: int, world: int, rank: int) -> tuple[int, int, int]:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single whose backward is the reverse all-to-all (grads return to the sender)."""
+    """all_to_all_single whose backward is the reverse all-to-all (grads return to the sender).
+
+    The forward is asynchronous: it appends its work handle to `pending`, and the output must
+    not be read before that handle is waited on (`_PendingRows` does it on first read)."""
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
+    def forward(ctx, x, output_splits, input_splits, group, pending):
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        pending.append(
+            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)
+        )
         return out
 
     @staticmethod
@@ -80,7 +87,34 @@ class _AllToAll(torch.autograd.Function):
         output_splits, input_splits = ctx.splits
         grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
         dist.all_to_all_single(grad_in, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
+
+
+class _PendingRows(Sequence):
+    """Each Engram layer's rows, cut from the all-to-all's output when the layer first reads them.
+
+    The rows' all-to-all is still in flight when `exchange` returns; the first read waits for
+    it. The model reads item i right before block `layer_ids[i]`, so on GPU the exchange runs
+    under the compute of the blocks before the first Engram layer (and the embedding).
+    """
+
+    def __init__(self, back: torch.Tensor, sender_pos: torch.Tensor, shapes: list[torch.Size], pending: list):
+        self.back, self.sender_pos, self.pending = back, sender_pos, pending
+        self.slices, start = [], 0
+        for shape in shapes:
+            n = math.prod(shape[:-1])
+            self.slices.append((start, n, shape))
+            start += n
+
+    def __len__(self) -> int:
+        return len(self.slices)
+
+    @torch.compiler.disable
+    def __getitem__(self, i: int) -> torch.Tensor:
+        while self.pending:
+            self.pending.pop().wait()
+        start, n, shape = self.slices[i]
+        return self.back.index_select(0, self.sender_pos[start : start + n]).view(shape)
 
 
 class ShardedEngramLookup(EngramLookup):
@@ -107,8 +141,9 @@ class ShardedEngramLookup(EngramLookup):
         return _LazyRows(self, tables, ids)
 
     @torch.compiler.disable
-    def exchange(self, tables: Sequence[EngramTable], ids: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """ids[l]: `[..., H]` global rows of `tables[l]` -> rows `[..., H, D_h]` per layer."""
+    def exchange(self, tables: Sequence[EngramTable], ids: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """ids[l]: `[..., H]` global rows of `tables[l]` -> rows `[..., H, D_h]` per layer (the
+        rows' all-to-all completes when a layer's rows are first read)."""
         world, n_layers = self.world, len(tables)
         device = ids[0].device
         owners, locals_, keys = [], [], []
@@ -142,14 +177,11 @@ class ShardedEngramLookup(EngramLookup):
         chunks = recv_ids[by_layer].split(per_layer)
         rows = torch.cat([F.embedding(chunk, t.weight) for chunk, t in zip(chunks, tables)])
         rows = rows.index_select(0, _inverse(by_layer))
-        back = _AllToAll.apply(rows, input_splits, output_splits, self.group)  # sender order
-        back = back.index_select(0, _inverse(order))  # the order of `torch.cat(ids)`
-        out, start = [], 0
-        for table, layer_ids in zip(tables, ids):
-            n = layer_ids.numel()
-            out.append(back[start : start + n].view(*layer_ids.shape, table.weight.shape[1]))
-            start += n
-        return out
+        pending: list = []
+        back = _AllToAll.apply(rows, input_splits, output_splits, self.group, pending)  # sender order
+        shapes = [torch.Size((*layer_ids.shape, table.weight.shape[1])) for table, layer_ids in zip(tables, ids)]
+        # _inverse(order)[j]: where the j-th id of `torch.cat(ids)` sits in the sender order.
+        return _PendingRows(back, _inverse(order), shapes, pending)
 
 
 class _LazyRows(Sequence):
