@@ -10,7 +10,11 @@ them alike, in ``--repeats`` blocks of ``--steps`` steps: tokens/s is computed p
 its median step, and the spread (max - min) / median over the blocks is the run-to-run
 reproducibility figure. On CPU the same is also reported per process CPU-second
 (``time.process_time``): wall time on a shared machine moves with whatever else takes the cores,
-CPU time much less (shared caches and memory bandwidth still move it).
+CPU time much less (shared caches and memory bandwidth still move it). A CPU has no known peak,
+and a VM's speed drifts by minutes, so on CPU each round of steps is followed by a fixed burst of
+fp32 matmuls: its GFLOP/s is the machine's speed at that moment, reported next to tokens/s with
+the step's model FLOP/s as a fraction of it. Two runs whose tokens/s differ while this reference
+moved the same way differ by the machine, not by the code.
 
 Reported per variant: tokens/s, model TFLOP/s and MFU, peak memory, ratios to the first
 variant. FLOPs convention (models/deepseek_v3/stats.py): 6 x *active* non-embedding parameters
@@ -129,6 +133,19 @@ def memory_estimate_mib(trainer: Trainer, a) -> float | None:
     return est["gib"]["total"] * 1024
 
 
+REFERENCE_MATMUL = (512, 20)  # square size, matmuls per burst: ~30 ms on one 2.4 GHz core
+
+
+def reference_matmul_gflops(operands: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The CPU's fp32 matmul speed right now, from a burst of the same matmuls every time."""
+    x, y = operands
+    n, count = REFERENCE_MATMUL
+    start = time.perf_counter()
+    for _ in range(count):
+        torch.mm(x, y)
+    return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -217,15 +234,20 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(a.warmup):
                 v.step()
             v.warmup_s = time.perf_counter() - start
+        reference_blocks: list[list[float]] = []  # reference matmul GFLOP/s after each round (CPU)
+        operands = tuple(torch.randn(REFERENCE_MATMUL[0], REFERENCE_MATMUL[0]) for _ in range(2))
         for _ in range(a.repeats):
             for v in variants:
                 v.blocks.append([])
                 v.cpu_blocks.append([])
+            reference_blocks.append([])
             for _ in range(a.steps):
                 for v in variants:
                     wall, cpu = v.step(measure_cuda_memory=device.type == "cuda")
                     v.blocks[-1].append(wall)
                     v.cpu_blocks[-1].append(cpu)
+                if device.type == "cpu":
+                    reference_blocks[-1].append(reference_matmul_gflops(operands))
         for v in variants:
             if device.type == "cuda":
                 v.peak_bytes = max(v.cuda_peaks) + state_bytes(v.trainer)
@@ -250,6 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
         + ("cuda allocator stats)" if device.type == "cuda" else "torch.profiler memory events)"),
         "variants": {}, "skipped": skipped,
     }
+    if device.type == "cpu":
+        per_block_ref = [statistics.median(ref) for ref in reference_blocks]
+        result["reference_matmul"] = f"fp32 {REFERENCE_MATMUL[0]}^3 matmuls, {REFERENCE_MATMUL[1]} after every round"
+        result["reference_matmul_gflops"] = statistics.median(per_block_ref)
+        result["reference_matmul_gflops_per_repeat"] = per_block_ref
     for v in variants:
         per_block = [tokens / statistics.median(b) for b in v.blocks]
         med_tps = statistics.median(per_block)
@@ -272,6 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
             r["tokens_per_cpu_s"] = statistics.median(per_block_cpu)
             r["tokens_per_cpu_s_per_repeat"] = per_block_cpu
             r["cpu_repeat_spread_pct"] = 100.0 * (max(per_block_cpu) - min(per_block_cpu)) / r["tokens_per_cpu_s"]
+            # Model FLOP/s over the machine's matmul GFLOP/s measured between the same steps.
+            fractions = [
+                100.0 * tps * first.flops_per_token / (statistics.median(ref) * 1e9)
+                for tps, ref in zip(per_block, reference_blocks)
+            ]
+            r["pct_of_reference_matmul"] = statistics.median(fractions)
+            r["pct_of_reference_matmul_per_repeat"] = fractions
         if v.memory_note:
             r["memory_note"] = v.memory_note
         result["variants"][v.name] = r
@@ -321,6 +355,11 @@ def markdown(result: dict) -> str:
             f"{n} {r['tokens_per_cpu_s']:,.0f} tokens/CPU-s (spread {r['cpu_repeat_spread_pct']:.1f}%)"
             for n, r in cpu.items()
         )]
+        ref = result["reference_matmul_gflops_per_repeat"]
+        lines += ["", f"Machine speed during the run ({result['reference_matmul']}): "
+                      f"{result['reference_matmul_gflops']:.1f} GFLOP/s (blocks {', '.join(f'{g:.1f}' for g in ref)}); "
+                      "model FLOP/s as a share of it: " + ", ".join(
+                          f"{n} {r['pct_of_reference_matmul']:.1f}%" for n, r in cpu.items())]
     if result["memory_estimate_mib"] is not None:
         ratios = ", ".join(
             f"{n} {r['estimate_vs_measured']:.3f}" for n, r in result["variants"].items() if "estimate_vs_measured" in r

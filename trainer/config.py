@@ -155,6 +155,11 @@ class Training(Section):
         "auto", "Device type; auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda")
     )
     gc_freq: int = _field(50, "Run Python garbage collection every N steps")
+    cpu_keep_freed_memory: bool = _field(
+        True,
+        "CPU only: glibc malloc keeps the memory a step frees for the next step instead of returning it to "
+        "the OS and page-faulting it in again (faster, steadier steps; the process's memory no longer shrinks)",
+    )
     time_limit_minutes: float = _field(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")
     max_skipped_steps: int = _field(
         10, "Stop when this many consecutive steps had a non-finite loss or grad norm (each is skipped)"

@@ -61,7 +61,14 @@ from trainer.parallel.parallelize import (
     load_full_state_dict,
     parallelize_model,
 )
-from trainer.runtime import git_revision, resolve_path, select_device, set_seed_and_determinism, versions
+from trainer.runtime import (
+    git_revision,
+    keep_freed_host_memory,
+    resolve_path,
+    select_device,
+    set_seed_and_determinism,
+    versions,
+)
 from trainer.validate import Validator
 
 logger = logging.getLogger("trainer")
@@ -145,6 +152,11 @@ class Trainer:
         init_distributed(self.device)
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
+        if self.device.type == "cpu" and t.cpu_keep_freed_memory:
+            if keep_freed_host_memory():
+                logger.info("host memory: freed blocks are kept for reuse (training.cpu_keep_freed_memory)")
+            else:
+                logger.warning("training.cpu_keep_freed_memory: the C library is not glibc; its malloc is left as it is")
         self.parallel_dims.build_meshes(self.device.type)
         self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
         self.loss_mesh = self.parallel_dims.mesh_or_none("loss")

@@ -31,12 +31,19 @@ def test_step_bench_and_memory_estimate_within_15_percent(tmp_path, capsys):
     assert len(r["tokens_per_s_per_repeat"]) == 2 and r["speed_vs_first"] == 1.0
     assert r["tflops"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"] / 1e12)
     assert r["mfu_pct"] is None  # no known CPU peak
+    # ... so the machine's own matmul speed, measured between the same steps, stands in for one.
+    ref = result["reference_matmul_gflops_per_repeat"]
+    assert len(ref) == 2 and min(ref) > 0
+    assert r["pct_of_reference_matmul_per_repeat"] == pytest.approx(
+        [100 * tps * result["flops_per_token"] / (g * 1e9) for tps, g in zip(r["tokens_per_s_per_repeat"], ref)]
+    )
     # Every byte torch allocates in one step: at least parameters + AdamW states.
     assert r["peak_mem_mib"] * 2**20 > 12 * result["params_total"]
     # scripts/estimate_memory.py for the same debug-flavor config (fp32, no AC, one device).
     assert abs(r["estimate_vs_measured"] - 1) <= 0.15, (result["memory_estimate_mib"], r["peak_mem_mib"])
     printed = capsys.readouterr().out
     assert printed.startswith("{") and "| eager |" in printed and "skipped:" in printed
+    assert "Machine speed during the run" in printed
 
 
 def test_run_all_reads_each_output_kind(tmp_path):
