@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 = the trainer's mixed precision (bf16 autocast, fp32 master weights)")
     p.add_argument("--seq-len", type=int, default=4096 if cuda else 256)
     p.add_argument("--batch-size", type=int, default=1 if cuda else 4)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat block")
+    p.add_argument("--steps", type=int, default=30,
+                   help="timed steps per variant per repeat block (30: blocks of 10 left run-to-run drift at 10-13%% on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks; their spread is the reproducibility figure")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compiles)")
     p.add_argument("--variants", default="eager,compile,compile_float8",
