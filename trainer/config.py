@@ -69,8 +69,13 @@ class Model(Section):
     tokenizer_path: str = _field("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
     attn_backend: str = _field("sdpa", "Attention kernel", choices=("sdpa", "flex"))
     attn_mask_type: str = _field(
-        "causal", "causal: one causal mask; block_causal: no attention across packed documents",
+        "causal",
+        "causal: one causal mask (what HF inference computes); block_causal: no attention across packed "
+        "documents, so logits after an EOS differ from HF inference (docs/checkpoints.md)",
         choices=("causal", "block_causal"),
+    )
+    disable_yarn: bool = _field(
+        False, "Plain RoPE and softmax scale even if the flavor uses YaRN (changes what released weights compute)"
     )
     use_grouped_mm: bool = _field(True, "Compute experts with grouped GEMM instead of a per-expert loop")
     mtp_depth: int = _field(-1, "Multi-token-prediction depth; -1 = the flavor's, 0 disables MTP")

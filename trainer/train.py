@@ -121,6 +121,7 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
             max_seq_len=cfg.training.seq_len,
             attn_backend=m.attn_backend,
             attn_mask_type=m.attn_mask_type,
+            rope_type="default" if m.disable_yarn else args.rope_type,
             mtp_depth=args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth,
             engram=engram,
         )
@@ -351,9 +352,14 @@ class Trainer:
             self.grad_accum_steps,
             t.local_batch_size,
         )
+        if cfg.model.disable_yarn:
+            logger.warning("positions: %s, YaRN off by model.disable_yarn", self.model_args.describe_positions())
+        else:
+            logger.info("positions: %s", self.model_args.describe_positions())
         logger.info(
-            "precision: params fp32%s | run folder %s",
+            "precision: params fp32%s | %s | run folder %s",
             ", bf16 autocast" if self.autocast_dtype else ", no autocast",
+            "compiled" if t.compile else "eager",
             self.run_dir.resolve(),
         )
 

@@ -5,10 +5,18 @@ RMSNorm is `torch.nn.RMSNorm` (fused kernels, no custom code needed).
 
 from models.common.attention import MLA, AttentionMask, build_attention_mask, document_ids
 from models.common.ffn import FeedForward
-from models.common.rope import apply_rotary_emb, precompute_freqs_cis, yarn_mscale
+from models.common.rope import (
+    ROPE_TYPES,
+    apply_rotary_emb,
+    precompute_freqs_cis,
+    yarn_mscale,
+    yarn_rope_attention_factor,
+    yarn_softmax_factor,
+)
 
 __all__ = [
     "MLA",
+    "ROPE_TYPES",
     "AttentionMask",
     "FeedForward",
     "apply_rotary_emb",
@@ -16,4 +24,6 @@ __all__ = [
     "document_ids",
     "precompute_freqs_cis",
     "yarn_mscale",
+    "yarn_rope_attention_factor",
+    "yarn_softmax_factor",
 ]

@@ -100,8 +100,9 @@ class MLA(nn.Module):
     `v_head_dim` wide.
 
     Args:
-        softmax_scale: multiplier of q.k; the caller passes `qk_head_dim**-0.5`, times `mscale**2`
-            when YaRN extends the context (DeepSeek's convention, see `models.common.rope`).
+        softmax_scale: multiplier of q.k; the caller passes `qk_head_dim**-0.5`, times
+            `yarn_softmax_factor` when the model uses YaRN, whatever the sequence length
+            (`DeepSeekV3ModelArgs.softmax_scale`, see `models.common.rope`).
     """
 
     def __init__(

@@ -15,6 +15,9 @@ import math
 
 import torch
 
+# "default": plain RoPE; "yarn": YaRN (DeepSeek-V2/V3's released weights). Names as in HF `rope_type`.
+ROPE_TYPES = ("default", "yarn")
+
 
 def _find_correction_dim(num_rotations: float, dim: int, base: float, max_seq_len: int) -> float:
     """The (fractional) rope dim index whose wavelength makes `num_rotations` turns over
@@ -43,6 +46,30 @@ def yarn_mscale(rope_factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(rope_factor) + 1.0
 
 
+def yarn_softmax_factor(rope_factor: float, mscale_all_dim: float) -> float:
+    """Multiplier of the plain softmax scale `qk_head_dim ** -0.5` under YaRN:
+    `yarn_mscale(factor, mscale_all_dim) ** 2`, or 1 when `mscale_all_dim` is 0 (absent).
+
+    The rule of DeepSeek's reference `MLA.__init__` and of `transformers`' DeepseekV2/V3
+    attention (`yarn_get_mscale(factor, mscale_all_dim) ** 2`). DeepSeek-V3: factor 40,
+    mscale_all_dim 1.0 -> 1.8739, so the scale is 0.13523 for qk_head_dim 192 (not 0.07217).
+    """
+    if not mscale_all_dim:
+        return 1.0
+    return yarn_mscale(rope_factor, mscale_all_dim) ** 2
+
+
+def yarn_rope_attention_factor(rope_factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """Multiplier of the rope cos/sin table under YaRN, `transformers`' `attention_factor` rule
+    (`_compute_yarn_parameters`): `yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all_dim)` when both
+    are set, else `yarn_mscale(f, 1)`. 1 for every DeepSeek release (mscale == mscale_all_dim), whose
+    whole temperature correction is in the softmax scale (`yarn_softmax_factor`) instead.
+    """
+    if mscale and mscale_all_dim:
+        return yarn_mscale(rope_factor, mscale) / yarn_mscale(rope_factor, mscale_all_dim)
+    return yarn_mscale(rope_factor, 1.0)
+
+
 def precompute_freqs_cis(
     rope_dim: int,
     max_seq_len: int,
@@ -51,25 +78,29 @@ def precompute_freqs_cis(
     original_seq_len: int = 4096,
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
+    attention_factor: float = 1.0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Rotation table of shape `(max_seq_len, rope_dim)`: `cat(cos, sin)` over the last dim, each
-    half `rope_dim // 2` wide (one angle per rotated pair), fp32.
+    half `rope_dim // 2` wide (one angle per rotated pair), fp32, both scaled by `attention_factor`.
 
-    YaRN (as in DeepSeek's reference `precompute_freqs_cis`) is applied when
-    `max_seq_len > original_seq_len`: dims that rotate fewer than `beta_slow` times over the original
-    context are interpolated by `rope_factor`, those above `beta_fast` rotations are kept, with a linear
-    ramp in between. The matching softmax-scale correction lives in the attention module
-    (see `yarn_mscale`), not in this table, as in DeepSeek's code.
+    `rope_factor != 1` applies YaRN's frequency correction (DeepSeek's reference
+    `precompute_freqs_cis`, `transformers`' `_compute_yarn_parameters` with `truncate=True`): dims
+    that rotate fewer than `beta_slow` times over `original_seq_len` positions are interpolated by
+    `rope_factor`, those above `beta_fast` rotations are kept, with a linear ramp in between.
+    The correction is a property of the model, so it is applied whatever `max_seq_len` (the table
+    length) is: a model trained with YaRN computes the same function on a short sequence.
+    The softmax-scale correction lives in the attention module (`yarn_softmax_factor`).
     """
     freqs = 1.0 / (rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
-    if max_seq_len > original_seq_len:
+    if rope_factor != 1.0:
         low, high = _find_correction_range(beta_fast, beta_slow, rope_dim, rope_theta, original_seq_len)
         smooth = 1 - _linear_ramp(low, high, rope_dim // 2).to(freqs.device)
         freqs = freqs / rope_factor * (1 - smooth) + freqs * smooth
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, freqs)  # (max_seq_len, rope_dim // 2)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return table * attention_factor if attention_factor != 1.0 else table
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

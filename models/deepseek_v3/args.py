@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from models.common.attention import ATTN_BACKENDS, ATTN_MASK_TYPES
-from models.common.rope import yarn_mscale
+from models.common.rope import ROPE_TYPES, yarn_rope_attention_factor, yarn_softmax_factor
 from models.engram import EngramArgs
 from models.moe import MoEArgs
 
@@ -62,20 +62,31 @@ class DeepSeekV3ModelArgs:
     v_head_dim: int = 32
     """Per-head value width."""
     max_seq_len: int = 2048
-    """Longest sequence (rope table length). YaRN is active when this exceeds `original_seq_len`."""
+    """Rope table length: the longest sequence this instance runs (the trainer sets it to
+    `training.seq_len`). It never changes the positional encoding or the softmax scale: those are
+    properties of the model (the fields below), so a YaRN model trains the same function at any length."""
+    max_position_embeddings: int = 2048
+    """The model's context length (HF `max_position_embeddings`), written to `config.json` on export;
+    DeepSeek's releases: 163840 (4096 x YaRN factor 40). Metadata: the rope math does not read it."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_type: str = "default"
+    """"default" (plain RoPE) or "yarn" (YaRN-extended RoPE and softmax scale, as in DeepSeek's
+    released V2/V3 weights; HF `rope_scaling.type`)."""
     rope_factor: float = 40.0
-    """YaRN context-extension factor (used only when `max_seq_len > original_seq_len`)."""
+    """YaRN context-extension factor (HF `rope_scaling.factor`)."""
     original_seq_len: int = 4096
-    """Context length of pre-training, before YaRN extension."""
+    """YaRN: context length of pre-training, before the extension (HF `original_max_position_embeddings`)."""
     beta_fast: float = 32.0
     """YaRN: dims rotating more than this many times over `original_seq_len` are not interpolated."""
     beta_slow: float = 1.0
     """YaRN: dims rotating fewer than this many times are fully interpolated."""
     mscale: float = 1.0
-    """YaRN attention-temperature coefficient (HF `mscale_all_dim`); the softmax scale is multiplied
-    by `(0.1 * mscale * ln(rope_factor) + 1) ** 2` when extended."""
+    """YaRN (HF `rope_scaling.mscale`): with `mscale_all_dim`, sets the rope cos/sin factor
+    `yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all_dim)` (1 when they are equal); 0 = absent."""
+    mscale_all_dim: float = 1.0
+    """YaRN (HF `rope_scaling.mscale_all_dim`, DeepSeek reference `mscale`): the softmax scale is
+    multiplied by `(0.1 * mscale_all_dim * ln(rope_factor) + 1) ** 2`; 0 = absent (no factor)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     mtp_depth: int = 1
@@ -83,7 +94,9 @@ class DeepSeekV3ModelArgs:
     attn_backend: str = "sdpa"
     """Attention kernel: "sdpa" (CPU and GPU) or "flex" (GPU only)."""
     attn_mask_type: str = "causal"
-    """"causal", or "block_causal" (no attention across documents separated by `eos_id`)."""
+    """"causal" (what HF `transformers` inference computes), or "block_causal" (no attention across
+    documents separated by `eos_id`; after an EOS in a packed row the logits then differ from HF
+    inference on that row, which attends across it: train with "causal" for HF-identical behaviour)."""
     eos_id: int = 0
     """End-of-document token id (used by the "block_causal" mask)."""
     init_std: float = 0.02
@@ -102,7 +115,8 @@ class DeepSeekV3ModelArgs:
             raise ValueError(f"engram.layer_ids {self.engram.layer_ids} must be < n_layers={self.n_layers}")
         positive = (
             "vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len", "original_seq_len",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len", "max_position_embeddings",
+            "original_seq_len",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -123,10 +137,15 @@ class DeepSeekV3ModelArgs:
             raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id must be in [0, vocab_size={self.vocab_size}), got {self.eos_id}")
-        if self.max_seq_len > self.original_seq_len and self.rope_factor < 1:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.yarn_enabled and not (
+            self.rope_factor >= 1 and self.beta_fast >= self.beta_slow > 0 and min(self.mscale, self.mscale_all_dim) >= 0
+        ):
             raise ValueError(
-                f"max_seq_len={self.max_seq_len} > original_seq_len={self.original_seq_len} turns on YaRN, "
-                f"which needs rope_factor >= 1, got {self.rope_factor}"
+                "YaRN needs rope_factor >= 1, beta_fast >= beta_slow > 0 and mscale, mscale_all_dim >= 0; got "
+                f"rope_factor={self.rope_factor}, beta_fast={self.beta_fast}, beta_slow={self.beta_slow}, "
+                f"mscale={self.mscale}, mscale_all_dim={self.mscale_all_dim}"
             )
         if self.rope_theta <= 1 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError(
@@ -140,13 +159,32 @@ class DeepSeekV3ModelArgs:
 
     @property
     def yarn_enabled(self) -> bool:
-        """YaRN is on exactly when the rope table outgrows the pre-training context (DeepSeek's rule)."""
-        return self.max_seq_len > self.original_seq_len
+        """Whether the model uses YaRN: a property of the model (`rope_type`), never of the table length."""
+        return self.rope_type == "yarn"
 
     @property
     def softmax_scale(self) -> float:
-        """`qk_head_dim ** -0.5`, times `mscale ** 2` under YaRN (DeepSeek reference `MLA.__init__`)."""
+        """`qk_head_dim ** -0.5`, times `yarn_softmax_factor` under YaRN (DeepSeek's reference
+        `MLA.__init__` and `transformers`' DeepseekV3 attention)."""
         scale = 1.0 / math.sqrt(self.qk_head_dim)
         if self.yarn_enabled:
-            scale *= yarn_mscale(self.rope_factor, self.mscale) ** 2
+            scale *= yarn_softmax_factor(self.rope_factor, self.mscale_all_dim)
         return scale
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """Multiplier of the rope cos/sin table (`yarn_rope_attention_factor`; 1 without YaRN)."""
+        if not self.yarn_enabled:
+            return 1.0
+        return yarn_rope_attention_factor(self.rope_factor, self.mscale, self.mscale_all_dim)
+
+    def describe_positions(self) -> str:
+        """One line for the run log: the rope variant, the softmax scale and the rope table length."""
+        if self.yarn_enabled:
+            rope = (
+                f"YaRN factor {self.rope_factor:g} over {self.original_seq_len} positions "
+                f"(context {self.max_position_embeddings}, mscale {self.mscale:g}, mscale_all_dim {self.mscale_all_dim:g})"
+            )
+        else:
+            rope = f"plain RoPE (theta {self.rope_theta:g})"
+        return f"{rope} | softmax scale {self.softmax_scale:.5f} | rope table {self.max_seq_len}"

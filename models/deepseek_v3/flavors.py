@@ -3,9 +3,14 @@
 `get_flavor(name)` builds a fresh `DeepSeekV3ModelArgs` on every call, so callers may change the
 result (e.g. `dataclasses.replace(get_flavor("16B"), vocab_size=tok.n_vocab)`) without affecting
 anyone else. Shapes of `16B`, `236B` and `671B` are those of DeepSeek-V2-Lite, DeepSeek-V2 and
-DeepSeek-V3 (their inference configs). `max_seq_len` is the training context; the trainer
-replaces it with its sequence length before building the model. The original long-context
-YaRN settings (factor 40 over 4096 positions) are kept so that a longer `max_seq_len` turns YaRN on.
+DeepSeek-V3 (their inference configs).
+
+Positional settings are part of the model, not of the run: the three released shapes carry
+their release's YaRN `rope_scaling` (factor 40 over 4096 original positions, context 163840),
+so they compute what the released weights compute at any training `seq_len`; `max_seq_len` is
+only the rope table length, which the trainer sets to its sequence length. `debugmodel` and
+`proxy_1b` are from-scratch shapes with plain RoPE. A run that wants YaRN off says so
+(`model.disable_yarn`).
 """
 
 import difflib
@@ -31,7 +36,9 @@ def _deepseek_v2_lite() -> DeepSeekV3ModelArgs:
             load_balance_coeff=1e-3,
         ),
         q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        max_seq_len=4096, mscale=0.707, mtp_depth=0, eos_id=100001,
+        max_seq_len=4096, mtp_depth=0, eos_id=100001,
+        # config.json of DeepSeek-V2-Lite: rope_scaling yarn, factor 40 over 4096, mscale 0.707 (both)
+        rope_type="yarn", max_position_embeddings=163840, mscale=0.707, mscale_all_dim=0.707,
     )
 
 
@@ -45,7 +52,8 @@ def _deepseek_v2() -> DeepSeekV3ModelArgs:
             load_balance_coeff=1e-3,
         ),
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        max_seq_len=4096, mscale=0.707, mtp_depth=0, eos_id=100001,
+        max_seq_len=4096, mtp_depth=0, eos_id=100001,
+        rope_type="yarn", max_position_embeddings=163840, mscale=0.707, mscale_all_dim=0.707,
     )
 
 
@@ -59,7 +67,9 @@ def _deepseek_v3() -> DeepSeekV3ModelArgs:
             load_balance_coeff=1e-3, seq_aux_loss_alpha=1e-4,
         ),
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        max_seq_len=4096, mscale=1.0, mtp_depth=1, eos_id=1,
+        max_seq_len=4096, mtp_depth=1, eos_id=1,
+        # config.json of DeepSeek-V3: rope_scaling yarn, factor 40 over 4096, mscale 1.0 (both)
+        rope_type="yarn", max_position_embeddings=163840, mscale=1.0, mscale_all_dim=1.0,
     )
 
 
@@ -75,7 +85,7 @@ def _proxy_1b() -> DeepSeekV3ModelArgs:
             load_balance_coeff=1e-3, seq_aux_loss_alpha=1e-4,
         ),
         q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        max_seq_len=4096, mscale=1.0, mtp_depth=1, eos_id=1,
+        max_seq_len=4096, max_position_embeddings=4096, mtp_depth=1, eos_id=1,
     )
 
 

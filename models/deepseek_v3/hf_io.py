@@ -30,6 +30,10 @@ FP8_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` is the block scale of `X.weight`
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+# Tensors that stay fp32 whatever dtype the weights are cast to: the router's bias is added to
+# sigmoid scores to pick the top-k experts, and bf16 would round it (DeepSeek's checkpoints and
+# `transformers`' `_keep_in_fp32_modules_strict` keep it fp32).
+FP32_SUFFIXES = ("e_score_correction_bias",)
 _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, name)
 )
@@ -77,7 +81,8 @@ def read_hf_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> 
     """Every tensor of a (sharded) safetensors checkpoint, HF names, on the CPU.
 
     FP8 weights are dequantised with their `weight_scale_inv` (the scale keys are dropped), to
-    `dtype` or fp32. Other floating-point tensors are cast to `dtype` when it is given. The whole
+    `dtype` or fp32. Other floating-point tensors are cast to `dtype` when it is given, except the
+    router bias (`FP32_SUFFIXES`), which is read as fp32. The whole
     checkpoint is held in memory: fine up to tens of GB; a 671B import wants a machine with the RAM.
     """
     from safetensors import safe_open
@@ -100,7 +105,7 @@ def read_hf_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> 
         elif tensor.dtype in _FP8_DTYPES:
             raise ValueError(f"{key} is {tensor.dtype} but the checkpoint has no {key}{SCALE_SUFFIX} to dequantise it")
         elif dtype is not None and tensor.is_floating_point():
-            out[key] = tensor.to(dtype)
+            out[key] = tensor.to(torch.float32 if key.endswith(FP32_SUFFIXES) else dtype)
         else:
             out[key] = tensor
     return out
@@ -115,7 +120,8 @@ def write_hf_checkpoint(
 ) -> list[Path]:
     """Write `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor
     larger than that gets a shard of its own), `model.safetensors.index.json`, and `config.json`
-    when `config` is given. Floating-point tensors are cast to `dtype` when it is given."""
+    when `config` is given. Floating-point tensors are cast to `dtype` when it is given, except
+    the router bias (`FP32_SUFFIXES`), which is written fp32."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -125,7 +131,7 @@ def write_hf_checkpoint(
     for key in sorted(hf_state_dict):
         tensor = hf_state_dict[key]
         if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+            tensor = tensor.to(torch.float32 if key.endswith(FP32_SUFFIXES) else dtype)
         # safetensors rejects views and tensors that share storage: give each its own memory.
         tensor = tensor.detach().to("cpu").contiguous().clone()
         size = tensor.numel() * tensor.element_size()
@@ -156,14 +162,54 @@ def read_hf_config(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _rope_args(config: dict, defaults: DeepSeekV3ModelArgs) -> dict:
+    """The positional fields of our args from a `config.json`: its `rope_scaling` (DeepSeek's
+    releases; `rope_parameters` in `transformers` 5) carried exactly, whatever length a run
+    later trains at. A key we could not reproduce raises instead of being dropped silently."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out = dict(
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", defaults.rope_theta)),
+        max_position_embeddings=config.get("max_position_embeddings", defaults.max_position_embeddings),
+    )
+    if rope_type == "default":
+        return {**out, "rope_type": "default"}
+    if rope_type != "yarn":
+        raise ValueError(
+            f"config.json rope_scaling type {rope_type!r} is not supported (only 'yarn' and plain RoPE, "
+            "as in DeepSeek's releases)"
+        )
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        raise ValueError(
+            "config.json rope_scaling sets attention_factor or truncate=false, which DeepSeek's YaRN "
+            "does not use; remove them (the factor follows from mscale / mscale_all_dim)"
+        )
+    if "original_max_position_embeddings" not in rope:
+        raise ValueError("config.json rope_scaling of type yarn needs original_max_position_embeddings")
+    original = rope["original_max_position_embeddings"]
+    # transformers' rule when `factor` is absent: the ratio of the two context lengths.
+    factor = rope.get("factor") or out["max_position_embeddings"] / original
+    return {
+        **out,
+        "rope_type": "yarn",
+        "rope_factor": factor,
+        "original_seq_len": original,
+        # transformers reads `beta_* or default`, so an absent or null value means the default.
+        "beta_fast": rope.get("beta_fast") or defaults.beta_fast,
+        "beta_slow": rope.get("beta_slow") or defaults.beta_slow,
+        # 0 marks an absent mscale / mscale_all_dim (transformers then skips that factor).
+        "mscale": rope.get("mscale") or 0.0,
+        "mscale_all_dim": rope.get("mscale_all_dim") or 0.0,
+    }
+
+
 def args_from_hf_config(config: dict, **overrides) -> DeepSeekV3ModelArgs:
     """The inverse of `state_dict_adapter.to_hf_config`: a DeepSeek-V3 `config.json` dict (as
     DeepSeek releases it or `transformers` writes it) -> our args. `overrides` replace fields
-    after the mapping (e.g. `max_seq_len=4096` to train at a shorter context)."""
+    after the mapping (e.g. `max_seq_len=4096` for a shorter rope table: YaRN and the softmax
+    scale stay those of the config's `rope_scaling`)."""
     if config.get("scoring_func", "sigmoid") != "sigmoid":
         raise ValueError(f"only sigmoid-routed DeepSeek-V3 configs are supported, got {config['scoring_func']!r}")
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
     defaults = DeepSeekV3ModelArgs()
     moe = MoEArgs(
         num_experts=config["n_routed_experts"],
@@ -177,6 +223,7 @@ def args_from_hf_config(config: dict, **overrides) -> DeepSeekV3ModelArgs:
         # The noaux_tc routing bias is always present in a V3 checkpoint.
         load_balance_coeff=1e-3,
     )
+    rope = _rope_args(config, defaults)
     args = dict(
         vocab_size=config["vocab_size"],
         dim=config["hidden_size"],
@@ -191,26 +238,15 @@ def args_from_hf_config(config: dict, **overrides) -> DeepSeekV3ModelArgs:
         qk_nope_head_dim=config["qk_nope_head_dim"],
         qk_rope_head_dim=config["qk_rope_head_dim"],
         v_head_dim=config["v_head_dim"],
-        max_seq_len=config.get("max_position_embeddings", defaults.max_seq_len),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", defaults.rope_theta)),
+        max_seq_len=rope["max_position_embeddings"],
         mtp_depth=config.get("num_nextn_predict_layers", 0),
         norm_eps=config.get("rms_norm_eps", defaults.norm_eps),
         init_std=config.get("initializer_range", defaults.init_std),
         tie_embeddings=config.get("tie_word_embeddings", False),
+        **rope,
     )
     eos = config.get("eos_token_id")
     if isinstance(eos, int):
         args["eos_id"] = eos
-    if yarn:
-        args.update(
-            rope_factor=rope["factor"],
-            original_seq_len=rope["original_max_position_embeddings"],
-            beta_fast=rope.get("beta_fast", defaults.beta_fast),
-            beta_slow=rope.get("beta_slow", defaults.beta_slow),
-            mscale=rope.get("mscale_all_dim", rope.get("mscale", defaults.mscale)),
-        )
-    else:
-        # No YaRN: keep max_seq_len <= original_seq_len so it stays off.
-        args["original_seq_len"] = max(defaults.original_seq_len, args["max_seq_len"])
     args.update(overrides)
     return DeepSeekV3ModelArgs(**args)

@@ -133,8 +133,8 @@ class DeepSeekV3Model(nn.Module):
     def _precompute_freqs_cis(self, device: torch.device | str | None = None) -> torch.Tensor:
         a = self.args
         return precompute_freqs_cis(
-            a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_factor, a.original_seq_len,
-            a.beta_fast, a.beta_slow, device=device,
+            a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_factor if a.yarn_enabled else 1.0,
+            a.original_seq_len, a.beta_fast, a.beta_slow, a.rope_attention_factor, device=device,
         )
 
     def forward(

@@ -245,9 +245,9 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict:
     """A `config.json` dict for HF `DeepseekV3Config` describing the same model.
 
     HF DeepseekV3 routes with sigmoid scores only, so softmax-routed args (the V2 shapes) raise.
-    YaRN is written only when our args enable it (`max_seq_len > original_seq_len`), with
-    `mscale == mscale_all_dim == args.mscale`: HF then leaves cos/sin unscaled and multiplies the
-    softmax scale by mscale**2, exactly DeepSeek's rule. A model with Engram gets an extra
+    `rope_scaling` and `max_position_embeddings` are the model's own (`rope_type`, YaRN fields),
+    never the training length `max_seq_len`: `args_from_hf_config` reads back the same values, and
+    `transformers` computes the same rope table and softmax scale. A model with Engram gets an extra
     `"engram"` entry (the `EngramArgs` fields; `transformers` ignores it): pass it back as
     `args_from_hf_config(config, engram=config["engram"])`.
     """
@@ -265,9 +265,9 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict:
             "original_max_position_embeddings": args.original_seq_len,
             "beta_fast": args.beta_fast,
             "beta_slow": args.beta_slow,
-            "mscale": args.mscale,
-            "mscale_all_dim": args.mscale,
         }
+        # 0 is our mark of an absent key (transformers then leaves that factor out).
+        rope_scaling.update({k: getattr(args, k) for k in ("mscale", "mscale_all_dim") if getattr(args, k)})
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -295,7 +295,7 @@ def to_hf_config(args: DeepSeekV3ModelArgs) -> dict:
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": args.max_position_embeddings,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
         "rope_interleave": True,

@@ -32,8 +32,10 @@ def tiny_args(yarn: bool, mtp_depth: int = 0) -> DeepSeekV3ModelArgs:
             route_scale=2.5, num_expert_groups=4, num_limited_groups=2, load_balance_coeff=1e-3,
         ),
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        # YaRN turns on exactly when max_seq_len > original_seq_len (DeepSeek's rule).
-        max_seq_len=256 if yarn else 64, original_seq_len=64, rope_factor=4.0, mscale=0.8,
+        # YaRN is the model's (rope_type), whatever the rope table length max_seq_len: here the
+        # table (64) is no longer than the original context, and YaRN is still on.
+        rope_type="yarn" if yarn else "default", max_seq_len=64, max_position_embeddings=256,
+        original_seq_len=64, rope_factor=4.0, mscale=0.8, mscale_all_dim=0.8,
         mtp_depth=mtp_depth, eos_id=1,
     )
 
