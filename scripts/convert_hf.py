@@ -8,6 +8,9 @@
     # a checkpoint of ours (a step-N folder, or a folder of them: the newest) -> HF folder
     python scripts/convert_hf.py export outputs/run/checkpoint/step-1000 outputs/hf [--dtype bfloat16]
 
+`--max-seq-len` only shortens the rope table: YaRN and the softmax scale stay those of the
+config's `rope_scaling` (the released weights compute the same function at any length).
+
 The export writes `model-0000i-of-0000n.safetensors` shards, `model.safetensors.index.json` and a
 `config.json` from `to_hf_config`, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
 Both directions hold the whole model in CPU memory.
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype of the DCP checkpoint")
-    imp.add_argument("--max-seq-len", type=int, default=None, help="training context (rope table); default: the HF config's")
+    imp.add_argument("--max-seq-len", type=int, default=None, help="rope table length (YaRN stays the config's); default: max_position_embeddings")
     exp = sub.add_parser("export", help="DCP checkpoint -> HF safetensors folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out_dir")

@@ -169,3 +169,90 @@ def test_imported_logits_match_transformers(tmp_path):
     ours8 = our_logits(tmp_path / "fp8", tokens)
     assert ((ours8 - ref8).abs().max() / ref8.abs().max()).item() <= 1e-4
     assert not torch.equal(ours8, ours)  # quantisation did change the weights
+
+
+# DeepSeek-V3's released config.json (huggingface.co/deepseek-ai/DeepSeek-V3), shapes shrunk where
+# they do not enter the rope settings (we only build args from it, never a model).
+DEEPSEEK_V3_CONFIG = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "num_attention_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840, "rope_theta": 10000, "rms_norm_eps": 1e-6, "eos_token_id": 1,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+}
+
+
+@pytest.mark.parametrize("max_seq_len", [128, 4096, 8192])
+def test_rope_scaling_is_the_configs_at_any_seq_len(max_seq_len):
+    args = args_from_hf_config(DEEPSEEK_V3_CONFIG, max_seq_len=max_seq_len)
+    assert args.yarn_enabled and args.softmax_scale == pytest.approx(0.13523, abs=5e-6)
+    assert args.rope_attention_factor == 1.0
+    out = to_hf_config(args)
+    assert out["max_position_embeddings"] == 163840
+    assert out["rope_scaling"] == {**DEEPSEEK_V3_CONFIG["rope_scaling"], "rope_type": "yarn"}
+    assert args_from_hf_config(out, max_seq_len=max_seq_len) == args
+
+
+def test_rope_scaling_absent_keys_and_unsupported_types():
+    no_mscale = {k: v for k, v in DEEPSEEK_V3_CONFIG["rope_scaling"].items() if not k.startswith("mscale")}
+    args = args_from_hf_config({**DEEPSEEK_V3_CONFIG, "rope_scaling": no_mscale}, max_seq_len=64)
+    # transformers: no mscale_all_dim -> plain softmax scale; no mscale -> cos/sin times mscale(40, 1).
+    assert args.softmax_scale == pytest.approx(192**-0.5)
+    assert args.rope_attention_factor == pytest.approx(0.1 * math.log(40) + 1)
+    assert to_hf_config(args)["rope_scaling"] == {**no_mscale, "rope_type": "yarn"}
+    plain = args_from_hf_config({**DEEPSEEK_V3_CONFIG, "rope_scaling": None}, max_seq_len=64)
+    assert not plain.yarn_enabled and to_hf_config(plain)["rope_scaling"] is None
+    for bad, match in (({"type": "linear", "factor": 2.0}, "'linear' is not supported"),
+                       ({**no_mscale, "attention_factor": 1.0}, "attention_factor"),
+                       ({"type": "yarn", "factor": 4.0}, "original_max_position_embeddings")):
+        with pytest.raises(ValueError, match=match):
+            args_from_hf_config({**DEEPSEEK_V3_CONFIG, "rope_scaling": bad})
+
+
+def test_bf16_export_and_import_keep_router_bias_fp32(tmp_path):
+    args = tiny_args(mtp_depth=1)
+    torch.manual_seed(2)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    with torch.no_grad():
+        for layer in model.layers.values():
+            if layer.moe_enabled:
+                layer.ffn.expert_bias.normal_(0.0, 1e-3)
+    save_model_checkpoint(model.state_dict(), tmp_path / "dcp", args)
+    convert_hf.export_hf(tmp_path / "dcp", tmp_path / "hf", dtype="bfloat16")
+    hf_sd = read_hf_state_dict(tmp_path / "hf")
+    bias_keys = [k for k in hf_sd if k.endswith("e_score_correction_bias")]
+    assert bias_keys and f"model.layers.{args.n_layers}.mlp.gate.e_score_correction_bias" in bias_keys
+    for key, tensor in hf_sd.items():
+        assert tensor.dtype == (torch.float32 if key in bias_keys else torch.bfloat16), key
+    # Bit-exact fp32 values, not bf16 ones converted back.
+    assert torch.equal(hf_sd["model.layers.1.mlp.gate.e_score_correction_bias"], model.layers["1"].ffn.expert_bias)
+    back = read_model_state_dict(convert_hf.import_hf(tmp_path / "hf", tmp_path / "dcp2", dtype="bfloat16"))
+    assert back["layers.1.ffn.expert_bias"].dtype == torch.float32
+    assert back["layers.1.attn.wkv_a.weight"].dtype == torch.bfloat16
+
+
+def test_transformers_loads_export_without_unexpected_keys(tmp_path):
+    """MTP is exported as DeepSeek names it, `model.layers.{n_layers}.*`; transformers skips it
+    knowingly (`_keys_to_ignore_on_load_unexpected`, DeepSeek-V3's layer 61), so a model of V3's
+    depth loads with no unexpected and no missing key. (Any other depth: the MTP keys are reported
+    as unexpected, which is harmless; see docs/checkpoints.md.)"""
+    args = DeepSeekV3ModelArgs(
+        vocab_size=VOCAB, dim=16, inter_dim=16, moe_inter_dim=8, n_layers=61, n_dense_layers=60, n_heads=1,
+        moe=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", load_balance_coeff=1e-3),
+        q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        max_seq_len=16, mtp_depth=1, eos_id=1,
+    )
+    torch.manual_seed(3)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    save_model_checkpoint(model.state_dict(), tmp_path / "dcp", args)
+    convert_hf.export_hf(tmp_path / "dcp", tmp_path / "hf")
+    assert any(k.startswith("model.layers.61.") for k in read_hf_state_dict(tmp_path / "hf"))
+    _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"] and not info["mismatched_keys"]

@@ -15,7 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from models.common.rope import precompute_freqs_cis  # noqa: E402
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter, get_flavor  # noqa: E402
+from models.deepseek_v3.hf_io import args_from_hf_config, read_hf_config  # noqa: E402
 from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
 from models.moe import MoEArgs  # noqa: E402
 
@@ -62,8 +64,15 @@ def random_hf_model(args: DeepSeekV3ModelArgs):
 
 @pytest.mark.parametrize(
     "yarn, overrides",
-    [(False, {}), (True, {}), (True, {"q_lora_rank": 0, "tie_embeddings": True})],
-    ids=["plain_rope", "yarn", "yarn_q_proj_tied"],
+    [
+        (False, {}),
+        (True, {}),
+        (True, {"q_lora_rank": 0, "tie_embeddings": True}),
+        # mscale != mscale_all_dim: transformers then scales cos/sin by their ratio as well.
+        (True, {"mscale": 1.0, "mscale_all_dim": 0.5}),
+        (True, {"mscale": 0.0, "mscale_all_dim": 0.0}),
+    ],
+    ids=["plain_rope", "yarn", "yarn_q_proj_tied", "yarn_mscale_ratio", "yarn_no_mscale"],
 )
 def test_logits_match_hf(tmp_path, yarn, overrides):
     args = dataclasses.replace(tiny_args(yarn), **overrides)
@@ -86,6 +95,86 @@ def test_logits_match_hf(tmp_path, yarn, overrides):
     with torch.no_grad():
         ours, ref = model(tokens).logits, hf_model(tokens).logits
     assert rel_err(ours, ref) <= 1e-4
+
+
+# rope_scaling and context of DeepSeek-V3's released config.json (huggingface.co/deepseek-ai/DeepSeek-V3).
+DEEPSEEK_V3_ROPE = {
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+}
+
+
+def test_yarn_config_from_transformers_trains_shorter(tmp_path):
+    """A transformers config with yarn whose context equals the original length, run at a shorter
+    seq_len than both: YaRN (frequencies and softmax scale) stays on, and logits match."""
+    args = tiny_args(yarn=False)
+    config = dict(to_hf_config(args), max_position_embeddings=64, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8,
+    })
+    hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    hf_model.config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param)) if "norm" in name else param.normal_(0.0, 0.1)
+        for layer in hf_model.model.layers[args.n_dense_layers:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(N_EXPERTS))
+    hf_model.eval().save_pretrained(tmp_path)
+
+    seq_len = 32
+    ours_args = args_from_hf_config(read_hf_config(tmp_path), max_seq_len=seq_len)
+    assert ours_args.yarn_enabled and ours_args.max_position_embeddings == ours_args.original_seq_len == 64
+    hf_attn = hf_model.model.layers[0].self_attn
+    assert ours_args.softmax_scale == pytest.approx(hf_attn.scaling, rel=1e-12)
+    assert ours_args.softmax_scale > ours_args.qk_head_dim**-0.5
+    hf_sd = safetensors_torch.load_file(os.path.join(tmp_path, "model.safetensors"))
+    model = DeepSeekV3Model(ours_args)
+    model.init_weights()
+    model.load_state_dict(DeepSeekV3StateDictAdapter(ours_args).from_hf(hf_sd), strict=True)
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ours, ref = model(tokens).logits, hf_model(tokens).logits
+    assert rel_err(ours, ref) <= 1e-4
+    # The same weights without YaRN compute something else: the test can tell them apart.
+    plain = DeepSeekV3Model(dataclasses.replace(ours_args, rope_type="default"))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert rel_err(plain.eval()(tokens).logits, ref) > 1e-2
+
+
+@pytest.mark.parametrize("seq_len", [128, 4096, 8192])
+def test_deepseek_v3_softmax_scale_at_any_seq_len(seq_len):
+    """DeepSeek-V3's released rope settings give transformers' softmax scale 0.13523 and its rope
+    table, whatever the training seq_len; the 671B flavor carries the same settings."""
+    # Tiny widths, DeepSeek-V3's head dims (qk_rope 64, qk_nope 128): only these enter the scale.
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=0, **DEEPSEEK_V3_ROPE,
+    )
+    hf_scale = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(config, 0).scaling
+    assert hf_scale == pytest.approx(0.13523, abs=5e-6)
+    flavor = dataclasses.replace(get_flavor("671B"), max_seq_len=seq_len)
+    imported = args_from_hf_config(dict(config.to_dict(), **DEEPSEEK_V3_ROPE), max_seq_len=seq_len)
+    for args in (flavor, imported):
+        assert args.softmax_scale == pytest.approx(hf_scale, rel=1e-12)
+
+    rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)
+    positions = torch.arange(seq_len)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    half = flavor.qk_rope_head_dim // 2  # transformers repeats the angles: cat(freqs, freqs)
+    table = precompute_freqs_cis(
+        flavor.qk_rope_head_dim, seq_len, flavor.rope_theta, flavor.rope_factor, flavor.original_seq_len,
+        flavor.beta_fast, flavor.beta_slow, flavor.rope_attention_factor,
+    )
+    torch.testing.assert_close(table, torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1), rtol=0, atol=2e-5)
 
 
 def test_to_hf_loads_into_transformers(tmp_path):
