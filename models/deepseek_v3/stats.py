@@ -3,10 +3,13 @@
 Conventions (print them next to every MFU figure):
 * Parameters are counted on a meta-device model, so even 671B costs no memory. A tied embedding
   is counted once.
-* *Active* parameters = everything except routed experts, plus `top_k / num_experts` of the routed
-  expert weights. Embedding and output head are included in both totals (DeepSeek's 671B / 37B
-  figures count them too).
-* `flops_per_token` = 6 * (active parameters minus the embedding table, whose lookup is no matmul)
+* *Total* parameters: every weight, the input embedding and the output head included.
+* *Active* parameters per token: everything except the input embedding and the routed experts, plus
+  `top_k / num_experts` of the routed expert weights. The output head counts (a full matmul per
+  token); the embedding does not (one row is looked up). That is the convention of DeepSeek's
+  published figures: 671B total / 37B active (V3), 236B / 21B (V2), 15.7B / 2.4B (V2-Lite).
+  A tied embedding is the head, so it counts.
+* `flops_per_token` = 6 * active parameters (all of them are matmul weights)
   + the attention-score term `6 * layers * n_heads * (qk_head_dim + v_head_dim) * seq_len`
   (torchtitan's convention: QK^T and PV, forward + backward, *without* halving for the causal
   mask). With `include_mtp` the MTP modules count as extra layers and their second use of the
@@ -43,13 +46,14 @@ def _param_counts(args: DeepSeekV3ModelArgs) -> dict[str, float]:
         prefix = "mtp_" if name.startswith("mtp.") else ""
         n = param.numel()
         counts[prefix + "total"] += n
+        if name == "embed.weight" and not args.tie_embeddings:
+            continue
         if _is_engram_table(name):
             # A token reads one row of each of the layer's (N-1) x K heads.
             counts["engram_lookup"] += args.engram.memory_dim
             counts[prefix + "active"] += args.engram.memory_dim
         else:
             counts[prefix + "active"] += n * expert_fraction if _is_routed_expert(name) else n
-    counts["embedding"] = 0 if args.tie_embeddings else model.embed.weight.numel()
     counts["head"] = model.head.weight.numel()
     return counts
 
@@ -68,7 +72,7 @@ def flops_per_token(args: DeepSeekV3ModelArgs, seq_len: int, include_mtp: bool =
     """Training FLOPs (forward + backward) per token at sequence length `seq_len`; see the module
     docstring for the convention. `include_mtp` (default) counts the MTP modules that training runs."""
     c = _param_counts(args)
-    matmul_params = c["active"] - c["embedding"] - c["engram_lookup"]
+    matmul_params = c["active"] - c["engram_lookup"]
     n_attn_layers = args.n_layers
     if include_mtp and args.mtp_depth > 0:
         matmul_params += c["mtp_active"] + args.mtp_depth * c["head"]

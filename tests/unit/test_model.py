@@ -45,17 +45,21 @@ def build(args: DeepSeekV3ModelArgs, seed: int = 0) -> DeepSeekV3Model:
 @pytest.mark.parametrize(
     "flavor, total, total_tol, active, active_tol",
     [
+        # DeepSeek's published figures (V3, V2, V2-Lite): active excludes the input embedding.
         ("671B", 671e9, 0.01, 37e9, 0.03),
-        ("236B", 236e9, 0.02, 21e9, 0.05),
-        ("16B", 15.7e9, 0.03, None, None),
+        ("236B", 236e9, 0.02, 21e9, 0.03),
+        ("16B", 15.7e9, 0.03, 2.4e9, 0.03),
     ],
 )
 def test_param_counts(flavor, total, total_tol, active, active_tol):
-    n_total, n_active = count_params(get_flavor(flavor))
+    args = get_flavor(flavor)
+    n_total, n_active = count_params(args)
     print(f"{flavor}: total {n_total / 1e9:.2f}B active {n_active / 1e9:.2f}B")
     assert n_total == pytest.approx(total, rel=total_tol)
-    if active is not None:
-        assert n_active == pytest.approx(active, rel=active_tol)
+    assert n_active == pytest.approx(active, rel=active_tol)
+    # The output head counts as active, the input embedding does not; tied, it is the head.
+    _, tied_active = count_params(dataclasses.replace(args, tie_embeddings=True))
+    assert tied_active == n_active
 
 
 def test_mtp_counted_only_on_request_and_flops_convention():
@@ -67,8 +71,8 @@ def test_mtp_counted_only_on_request_and_flops_convention():
     seq = 4096
     no_mtp = flops_per_token(args, seq, include_mtp=False)
     attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq
-    embedding = args.vocab_size * args.dim
-    assert no_mtp == pytest.approx(6 * (active - embedding) + attention, rel=1e-6)
+    # MFU's FLOPs: 6 x active params (which leave out the embedding lookup) + attention.
+    assert no_mtp == pytest.approx(6 * active + attention, rel=1e-6)
     assert flops_per_token(args, seq) > no_mtp
 
 
