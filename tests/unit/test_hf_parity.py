@@ -177,6 +177,27 @@ def test_deepseek_v3_softmax_scale_at_any_seq_len(seq_len):
     torch.testing.assert_close(table, torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1), rtol=0, atol=2e-5)
 
 
+def test_block_causal_differs_from_hf_after_eos(tmp_path):
+    """As documented next to `attn_mask_type`: `block_causal` equals HF inference up to the first
+    EOS of a row and differs after it; `causal` equals it everywhere."""
+    args = tiny_args(yarn=False)
+    hf_model = random_hf_model(args)
+    hf_model.save_pretrained(tmp_path)
+    native = DeepSeekV3StateDictAdapter(args).from_hf(
+        safetensors_torch.load_file(os.path.join(tmp_path, "model.safetensors"))
+    )
+    tokens = torch.randint(2, VOCAB, (2, 48), generator=torch.Generator().manual_seed(7))
+    tokens[:, 20] = args.eos_id
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        for mask_type in ("causal", "block_causal"):
+            model = DeepSeekV3Model(dataclasses.replace(args, attn_mask_type=mask_type))
+            model.load_state_dict(native)
+            ours = model.eval()(tokens).logits
+            assert rel_err(ours[:, :21], ref[:, :21]) <= 1e-4
+            assert (rel_err(ours[:, 21:], ref[:, 21:]) <= 1e-4) == (mask_type == "causal")
+
+
 def test_to_hf_loads_into_transformers(tmp_path):
     """The other direction: our weights + config, written with to_hf, read by from_pretrained."""
     args = tiny_args(yarn=True)
