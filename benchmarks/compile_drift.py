@@ -227,6 +227,32 @@ def run(steps: int = 30, batch_size: int = 2, seq_len: int = 64, lr: float = 6e-
     }
 
 
+def amplifier_runs(steps: int = 30, batch_size: int = 2, seq_len: int = 64, lr: float = 6e-3, seed: int = 0,
+                   log=print) -> dict[str, list[float]]:
+    """Where the amplification comes from: eager vs one-ulp-perturbed eager (no compile) for the
+    MoE model, the MoE model without the bias update (`load_balance_coeff=None`: only top-k
+    flips are discrete), and the same shape with dense FFNs everywhere (no routing at all).
+    Returns |loss diff| per step for each."""
+    base = dataclasses.replace(get_flavor("debugmodel"), max_seq_len=seq_len, attn_mask_type="block_causal", eos_id=1)
+    variants = {
+        "moe": base,
+        "moe_no_bias_update": dataclasses.replace(base, moe=dataclasses.replace(base.moe, load_balance_coeff=None)),
+        "dense": dataclasses.replace(base, n_dense_layers=base.n_layers, mtp_depth=0),
+    }
+    out = {}
+    for name, args in variants.items():
+        data = batches(args, steps, batch_size, seq_len, seed + 100)
+        pair = [build(args, seed, compiled=False), build(args, seed, compiled=False, perturb=True)]
+        opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.1) for m in pair]
+        diffs = []
+        for inputs, labels in data:
+            a, b = (train_step(m, o, inputs, labels, cross_entropy_sum) for m, o in zip(pair, opts))
+            diffs.append(abs(a - b))
+        out[name] = diffs
+        log(f"{name}: |loss diff| per step " + " ".join(f"{d:.1e}" for d in diffs))
+    return out
+
+
 def summary(result: dict) -> str:
     recs = result["records"]
     control = "diff_perturbed" in recs[0]
@@ -263,11 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--probe-steps", type=int, nargs="*", default=[0, 10, 20, 29])
     p.add_argument("--no-control", action="store_true", help="skip the one-ulp-perturbed eager run")
+    p.add_argument("--amplifier", action="store_true",
+                   help="also run the eager perturbation control for MoE, MoE without bias update and dense FFNs")
     p.add_argument("--json", type=Path, default=None, help="also write the records here")
     a = p.parse_args(argv)
     result = run(a.steps, a.batch_size, a.seq_len, a.lr, a.seed, tuple(a.probe_steps), not a.no_control)
     print(json.dumps(result["final_eval_loss"]))
     print(summary(result))
+    if a.amplifier:
+        result["amplifier"] = amplifier_runs(a.steps, a.batch_size, a.seq_len, a.lr, a.seed)
+        print("| model (eager, 1-ulp perturbed weights) | max abs loss diff, steps 0-9 | 10-19 | 20-29 |")
+        print("|---|---|---|---|")
+        for name, diffs in result["amplifier"].items():
+            blocks = [max(diffs[i:i + 10], default=0.0) for i in range(0, len(diffs), 10)]
+            print(f"| {name} | " + " | ".join(f"{b:.1e}" for b in blocks) + " |")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

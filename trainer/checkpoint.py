@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
-from models.deepseek_v3.hf_io import read_hf_state_dict
+from models.deepseek_v3.hf_io import CONFIG_FILE, read_hf_config, read_hf_state_dict, rope_mismatches
 
 logger = logging.getLogger("trainer")
 
@@ -240,6 +240,8 @@ def load_hf_weights(path: str | Path, model: torch.nn.Module, args: DeepSeekV3Mo
     """Load a HF / DeepSeek safetensors folder (bf16/fp32, or FP8 with block scales) into `model`.
     Every rank reads the files and keeps its own shards (`full_state_dict` loading)."""
     hf_sd = read_hf_state_dict(path, dtype=torch.float32)
+    if (Path(path) / CONFIG_FILE).is_file() and (mismatch := rope_mismatches(args, read_hf_config(path))):
+        logger.warning("positional settings differ from %s/%s (ours vs its): %s", path, CONFIG_FILE, "; ".join(mismatch))
     try:
         native = DeepSeekV3StateDictAdapter(args).from_hf(hf_sd)
     except (KeyError, ValueError) as e:

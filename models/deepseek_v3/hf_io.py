@@ -250,3 +250,14 @@ def args_from_hf_config(config: dict, **overrides) -> DeepSeekV3ModelArgs:
         args["eos_id"] = eos
     args.update(overrides)
     return DeepSeekV3ModelArgs(**args)
+
+
+def rope_mismatches(args: DeepSeekV3ModelArgs, config: dict) -> list[str]:
+    """The positional settings in which `args` (e.g. a flavor) differ from a checkpoint's
+    `config.json`, as "field: ours vs checkpoint's" strings; empty when the weights will compute
+    what they were trained to."""
+    theirs = _rope_args(config, DeepSeekV3ModelArgs())
+    fields = ["rope_type", "rope_theta"]
+    if theirs["rope_type"] == "yarn" and args.yarn_enabled:
+        fields += ["rope_factor", "original_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"]
+    return [f"{f}: {getattr(args, f)!r} vs {theirs[f]!r}" for f in fields if getattr(args, f) != theirs[f]]

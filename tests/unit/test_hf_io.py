@@ -1,6 +1,7 @@
 """HF safetensors interop: FP8 block dequantisation, DCP <-> HF conversion round trip, and logits of
 an imported (sharded, and FP8-quantised) HF checkpoint against `transformers`."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -12,13 +13,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, get_flavor  # noqa: E402
 from models.deepseek_v3.hf_io import (  # noqa: E402
     INDEX_FILE,
     args_from_hf_config,
     dequantize_fp8_block,
     read_hf_config,
     read_hf_state_dict,
+    rope_mismatches,
 )
 from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
 from models.moe import MoEArgs  # noqa: E402
@@ -196,6 +198,22 @@ def test_rope_scaling_is_the_configs_at_any_seq_len(max_seq_len):
     assert out["max_position_embeddings"] == 163840
     assert out["rope_scaling"] == {**DEEPSEEK_V3_CONFIG["rope_scaling"], "rope_type": "yarn"}
     assert args_from_hf_config(out, max_seq_len=max_seq_len) == args
+
+
+def test_flavor_carries_the_release_rope_settings(tmp_path, caplog):
+    assert rope_mismatches(get_flavor("671B"), DEEPSEEK_V3_CONFIG) == []
+    assert args_from_hf_config(DEEPSEEK_V3_CONFIG).max_position_embeddings == get_flavor("671B").max_position_embeddings
+    disabled = dataclasses.replace(get_flavor("671B"), rope_type="default")
+    assert rope_mismatches(disabled, DEEPSEEK_V3_CONFIG) == ["rope_type: 'default' vs 'yarn'"]
+    # initial_load_format = "hf" builds the model from the flavor: a differing config.json is logged.
+    args = tiny_args()
+    hf_model = random_hf_model(dataclasses.replace(args, rope_type="yarn", rope_factor=4.0, original_seq_len=32))
+    hf_model.save_pretrained(tmp_path)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    with caplog.at_level("WARNING"):
+        load_hf_weights(tmp_path, model, args)
+    assert "rope_type: 'default' vs 'yarn'" in caplog.text and "rope_factor" not in caplog.text
 
 
 def test_rope_scaling_absent_keys_and_unsupported_types():
