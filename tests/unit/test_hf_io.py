@@ -274,3 +274,17 @@ def test_transformers_loads_export_without_unexpected_keys(tmp_path):
     assert any(k.startswith("model.layers.61.") for k in read_hf_state_dict(tmp_path / "hf"))
     _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["unexpected_keys"] and not info["missing_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("seq_len", [128, 4096, 8192])
+def test_trainer_keeps_the_flavors_yarn_at_any_seq_len_unless_disabled(seq_len):
+    from trainer.config import load_config
+    from trainer.train import build_model_args
+
+    argv = ["--model.flavor", "671B", "--training.seq_len", str(seq_len)]
+    args = build_model_args(load_config(argv), 129280, 1)
+    assert args.max_seq_len == seq_len and args.yarn_enabled
+    assert args.softmax_scale == pytest.approx(0.13523, abs=5e-6)
+    off = build_model_args(load_config([*argv, "--model.disable_yarn"]), 129280, 1)
+    assert not off.yarn_enabled and off.softmax_scale == pytest.approx(192**-0.5)
+    assert "YaRN factor 40 over 4096" in args.describe_positions() and "plain RoPE" in off.describe_positions()
