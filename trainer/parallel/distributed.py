@@ -37,8 +37,39 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def is_distributed() -> bool:
+    """Whether a default process group is up (False in a single-process run)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def global_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return global_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_ranks_any(flag: bool) -> bool:
+    """True when `flag` is true on any rank (a MAX all-reduce; the identity without a process group)."""
+    if not is_distributed():
+        return flag
+    # A CPU tensor when gloo is registered (also as `cpu:gloo,cuda:nccl`); NCCL alone needs CUDA.
+    backend = str(dist.get_backend())
+    on_cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def all_reduce_sum(tensor: torch.Tensor, mesh) -> torch.Tensor:
