@@ -70,8 +70,8 @@ class CountA2A:
 
 
 def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
+    from trainer.engram_optim import OffloadedAdam
     from trainer.parallel.engram_parallel import (
-        OffloadedAdam,
         apply_engram_parallel,
         shard_rows,
         table_grad_sq_norm,

@@ -9,6 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def world_size_from_env() -> int:
@@ -77,3 +78,8 @@ def all_reduce_sum(tensor: torch.Tensor, mesh) -> torch.Tensor:
     if mesh is not None and mesh.size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return tensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor unchanged)."""
+    return t.to_local() if isinstance(t, DTensor) else t
