@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.engram import EngramLookup, EngramTable, LocalEngramLookup, engram_modules, engram_table_params
-from trainer.parallel.distributed import local_tensor
+from trainer.parallel.distributed import all_reduce_sum, local_tensor
 
 
 def _as_group(mesh_or_group) -> dist.ProcessGroup:
@@ -357,11 +357,7 @@ def all_reduce_table_grads(model: nn.Module, replicate_group, average: bool = Fa
 def table_grad_sq_norm(model: nn.Module, engram_group) -> torch.Tensor:
     """Squared L2 norm of all table grads with each shard counted once (sum over the engram
     group only); add it to the other parameters' squared norm before clipping."""
-    sq = _table_sq(model, torch.float64)
-    group = _as_group(engram_group)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
-    return sq.float()
+    return all_reduce_sum(_table_sq(model, torch.float64), _as_group(engram_group)).float()
 
 
 def _table_sq(model: nn.Module, cpu_dtype: torch.dtype = torch.float32) -> torch.Tensor:
