@@ -7,6 +7,8 @@ Steps 3 and 4 after the resume must give the losses of the uninterrupted run; st
 on the restored Adam moments. The three layouts split each step's tokens differently, so equal
 losses also check the sharded lookups and gradient sums against each other."""
 
+import pytest
+
 import engram_worker
 
 from trainer.parallel.distributed import spawn_local
@@ -19,6 +21,7 @@ def _launch(world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) ->
     return results
 
 
+@pytest.mark.slow  # three launches of 2-4 ranks with FSDP and EP
 def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
     ckpt = str(tmp_path / "run")
     saved = _launch(4, 2, "save", ckpt, offload=True)

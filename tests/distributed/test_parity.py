@@ -29,6 +29,8 @@ WORLD_LAYOUTS = {
     4: ["hsdp_2x2", "hsdp_2x2_ep_2", "fsdp_2_cp_2", "fsdp_2_ep_2_tp_2"],
 }
 REL = 1e-5
+# Two launches of every layout take about two minutes of the 2-core budget: the full suite only.
+pytestmark = pytest.mark.slow
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, reference: bool) -> dict:
