@@ -1,6 +1,6 @@
 """The one entry that turns the single-device model into the parallel one.
 
-House order (docs: ARCHITECTURE.md section 1), all on the meta-device model:
+House order (`docs/architecture.md`), all on the meta-device model:
 
     float8 -> TP -> EP -> CP -> AC -> compile -> Engram tables -> FSDP2/HSDP   (then to_empty + init)
 
