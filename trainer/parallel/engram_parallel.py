@@ -344,14 +344,12 @@ def local_rows(value: torch.Tensor, table: EngramTable) -> torch.Tensor:
     return value
 
 
-def all_reduce_table_grads(model: nn.Module, replicate_group, average: bool = False) -> None:
-    """Sum (or average) table grads over ranks that hold the SAME shard (never across shards)."""
+def all_reduce_table_grads(model: nn.Module, replicate_group) -> None:
+    """Sum table grads over ranks that hold the SAME shard (never across shards)."""
     group = _as_group(replicate_group)
-    if dist.get_world_size(group) == 1:
-        return
     for p in engram_table_params(model):
         if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
+            all_reduce_sum(p.grad, group)
 
 
 def table_grad_sq_norm(model: nn.Module, engram_group) -> torch.Tensor:
