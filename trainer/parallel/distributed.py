@@ -26,13 +26,18 @@ def local_rank_from_env() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def is_distributed() -> bool:
+    """Whether a default process group is up (False in a single-process run)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def init_distributed(device: torch.device) -> None:
     """Initialises the default process group (torchrun's env:// variables) when WORLD_SIZE > 1.
 
     gloo serves CPU tensors, NCCL CUDA tensors; on a GPU machine both backends are registered
     (``cpu:gloo,cuda:nccl``) so small CPU-side collectives keep working.
     """
-    if world_size_from_env() == 1 or dist.is_initialized():
+    if world_size_from_env() == 1 or is_distributed():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -40,13 +45,8 @@ def init_distributed(device: torch.device) -> None:
 
 
 def destroy_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
-
-
-def is_distributed() -> bool:
-    """Whether a default process group is up (False in a single-process run)."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def global_rank() -> int:
