@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.deepseek_v3 import get_flavor  # noqa: E402
+from trainer.parallel.distributed import init_local_gloo, spawn_local  # noqa: E402
 
 FLAVORS = ("debugmodel", "16B", "671B")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -63,8 +61,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from trainer.parallel.context_parallel import ContextParallel, LatentAllGather
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_gloo(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         group = mesh.get_group()
@@ -118,12 +115,6 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks (gloo processes)")
@@ -135,15 +126,7 @@ def main() -> None:
     if args.seq_len % (2 * args.cp):
         parser.error(f"--seq_len must be a multiple of 2 x cp = {2 * args.cp}")
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.cp, port, args, queue)) for r in range(args.cp)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    (results,) = spawn_local(_worker, args.cp, args, results=1)
 
     print(f"CP K/V exchange per attention layer and forward, cp={args.cp}, seq_len={args.seq_len}, "
           f"batch={args.batch}, {args.dtype} (backward reduce-scatters the same volume)")

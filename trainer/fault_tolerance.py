@@ -14,26 +14,11 @@ import signal
 import time
 from typing import Callable
 
-import torch
+from trainer.parallel.distributed import all_ranks_any
 
 logger = logging.getLogger("trainer")
 
 Agree = Callable[[bool], bool]
-
-
-def all_ranks_any(flag: bool) -> bool:
-    """True when `flag` is true on any rank (a MAX all-reduce; the identity without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    # A CPU tensor when gloo is registered (also as `cpu:gloo,cuda:nccl`); NCCL alone needs CUDA.
-    backend = str(dist.get_backend())
-    on_cuda = "nccl" in backend and "gloo" not in backend
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class StopRequest:

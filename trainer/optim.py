@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
 from models.moe import moe_modules, update_expert_bias
-from trainer.parallel.engram_parallel import offload_engram_group, register_table_state_hooks
+from trainer.engram_optim import offload_engram_group, register_table_state_hooks
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:

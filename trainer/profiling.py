@@ -23,17 +23,14 @@ from pathlib import Path
 
 import torch
 
+from trainer.parallel.distributed import global_rank
+
 logger = logging.getLogger("trainer")
 
 # Allocation events kept by the CUDA allocator history (each costs ~1 KB of host memory).
 _MEMORY_HISTORY_ENTRIES = 100_000
 
 PHASES = ("data_wait", "forward_backward", "reduce_clip", "optimizer")
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Profiler:
@@ -47,7 +44,7 @@ class Profiler:
     def __init__(self, pcfg, run_dir: Path, device: torch.device):
         self.cfg = pcfg
         self.device = device
-        self.rank = _rank()
+        self.rank = global_rank()
         self.active = self.rank in pcfg.ranks
         self.folder = run_dir / pcfg.traces_folder
         self._prof = None

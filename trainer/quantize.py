@@ -1,6 +1,6 @@
 """float8 training via torchao: a model converter applied before any parallelism.
 
-House order (ARCHITECTURE.md section 1, like torchtitan's model converters): the
+House order (`docs/architecture.md`, like torchtitan's model converters): the
 meta-device model is converted first, then TP -> EP -> CP -> AC -> compile -> FSDP2 wrap the
 converted modules. Two conversions, both from ``[quantize]``:
 

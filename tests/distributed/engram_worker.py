@@ -6,7 +6,6 @@ does the same for a context-parallel split of those sequences.
 """
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_modules
 from trainer.loss import cross_entropy_sum
+from trainer.parallel.distributed import init_local_gloo
 
 VOCAB, B, S = 32, 2, 16
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=29, head_dim=4, seed=5)
@@ -70,16 +70,15 @@ class CountA2A:
 
 
 def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
+    from trainer.engram_optim import OffloadedAdam
     from trainer.parallel.engram_parallel import (
-        OffloadedAdam,
         apply_engram_parallel,
         shard_rows,
         table_grad_sq_norm,
     )
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_gloo(rank, world, port)
     try:
         group = dist.new_group(list(range(world)))  # a 1-D group of its own, like a mesh dim
         hasher = build_hasher()
@@ -230,8 +229,7 @@ def run_checkpoint(
     from trainer.parallel.parallelize import load_full_state_dict, parallelize_model
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_gloo(rank, world, port)
     try:
         cfg = load_config([
             "--engram.enable", "--engram.layer_ids", "0,1", "--engram.embedding_parallel_degree", str(degree),

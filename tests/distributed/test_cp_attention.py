@@ -5,25 +5,16 @@ compressed-latent all-gather (whose backward is a reduce-scatter), for causal an
 document-causal masks.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.common.attention import MLA, build_attention_mask
 from models.common.rope import precompute_freqs_cis
+from trainer.parallel.distributed import init_local_gloo, spawn_local
 
 WORLD = 2
 B, S, DIM, EOS = 2, 16, 32, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(q_lora_rank: int) -> MLA:
@@ -34,14 +25,13 @@ def _build(q_lora_rank: int) -> MLA:
     return mla
 
 
-def _worker(rank: int, port: int, mask_type: str, q_lora_rank: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, mask_type: str, q_lora_rank: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.parallel.context_parallel import ContextParallel, LatentAllGather
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_local_gloo(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
         g = torch.Generator().manual_seed(1)
@@ -80,16 +70,7 @@ def _worker(rank: int, port: int, mask_type: str, q_lora_rank: int, queue) -> No
 
 @pytest.mark.parametrize("mask_type,q_lora_rank", [("causal", 0), ("block_causal", 8)])
 def test_cp_latent_attention_matches_full(mask_type, q_lora_rank):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, mask_type, q_lora_rank, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in range(WORLD))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = dict(spawn_local(_worker, WORLD, mask_type, q_lora_rank, timeout=300))
     for rank, errors in results.items():
         for name, err in errors.items():
             assert err < 1e-5, f"rank {rank}: {name} differs by {err}"

@@ -7,31 +7,21 @@ Steps 3 and 4 after the resume must give the losses of the uninterrupted run; st
 on the restored Adam moments. The three layouts split each step's tokens differently, so equal
 losses also check the sharded lookups and gradient sums against each other."""
 
-import socket
-
-import torch.multiprocessing as mp
+import pytest
 
 import engram_worker
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainer.parallel.distributed import spawn_local
 
 
 def _launch(world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) -> dict:
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        engram_worker.run_checkpoint, args=(world, _free_port(), degree, mode, ckpt_dir, offload, queue),
-        nprocs=world, join=True, start_method="spawn",
-    )
-    results = dict(queue.get() for _ in range(world))
+    results = dict(spawn_local(engram_worker.run_checkpoint, world, degree, mode, ckpt_dir, offload))
     for rank, r in results.items():
         assert isinstance(r, dict), f"rank {rank}: {r}"
     return results
 
 
+@pytest.mark.slow  # three launches of 2-4 ranks with FSDP and EP
 def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
     ckpt = str(tmp_path / "run")
     saved = _launch(4, 2, "save", ckpt, offload=True)

@@ -9,30 +9,16 @@ parallelism over the same ranks (ids hashed before the split, the short conv's l
 the other ranks): logits and every gradient against the unsplit model.
 """
 
-import socket
-
 import pytest
-import torch.multiprocessing as mp
-
 import engram_worker
+
+from trainer.parallel.distributed import spawn_local
 
 N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, precompute: bool) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(
-        engram_worker.run, args=(world, _free_port(), precompute, queue), nprocs=world, join=True,
-        start_method="spawn",
-    )
-    results = dict(queue.get() for _ in range(world))
+    results = dict(spawn_local(engram_worker.run, world, precompute))
     for rank, r in results.items():
         assert isinstance(r, dict), f"rank {rank}: {r}"
     return results

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trainer.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_LAYOUTS = {
@@ -28,18 +29,14 @@ WORLD_LAYOUTS = {
     4: ["hsdp_2x2", "hsdp_2x2_ep_2", "fsdp_2_cp_2", "fsdp_2_ep_2_tp_2"],
 }
 REL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Two launches of every layout take about two minutes of the 2-core budget: the full suite only.
+pytestmark = pytest.mark.slow
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, reference: bool) -> dict:
     cmd = [
         sys.executable, "-m", "tests.distributed.parity_worker", "--nproc", str(nproc),
-        "--layouts", ",".join(layouts), "--out", str(out), "--port", str(_free_port()),
+        "--layouts", ",".join(layouts), "--out", str(out), "--port", str(free_port()),
     ]
     if reference:
         cmd.append("--reference")

@@ -12,16 +12,13 @@ single-process loss (summed over the "loss" mesh).
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs, moe_modules, update_expert_bias
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from trainer.parallel.distributed import init_local_gloo, spawn_local
 
 STEPS = 5
 GLOBAL_BATCH = 2
@@ -104,7 +101,7 @@ def run_reference() -> list[tuple[float, float]]:
     return history
 
 
-def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, layout: str, queue) -> None:
     from torch.distributed.tensor import DTensor
 
     from trainer.parallel.context_parallel import apply_context_parallel
@@ -114,8 +111,7 @@ def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
     from trainer.parallel.tensor_parallel import apply_tensor_parallel, maybe_loss_parallel, replicate_partial_grads
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_gloo(rank, world, port)
     try:
         dims = ParallelDims(dp_replicate=1, world_size=world, **LAYOUTS[layout][1])
         dims.build_meshes("cpu")
@@ -172,28 +168,9 @@ def _worker(rank: int, world: int, layout: str, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(layout: str) -> list[tuple[float, float]]:
     world = LAYOUTS[layout][0]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, layout, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        history = queue.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=120)
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"layout {layout}: ranks exited with {codes}")
+    (history,) = spawn_local(_worker, world, layout, results=1)
     return history
 
 

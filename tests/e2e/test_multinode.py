@@ -8,22 +8,16 @@ equal those of one process, which also checks validation under TP and CP.
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from trainer.config import load_config
+from trainer.parallel.distributed import free_port
 from trainer.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, node_rank: int, port: int, nnodes: int, ngpu: int, *args):
@@ -53,7 +47,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_nodes_train_and_validate_like_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     args = [
         "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "1",
         "--training.device", "cpu", "--metrics.log_freq", "1", "--job.print_config=false",
@@ -102,7 +96,7 @@ def test_impossible_layout_fails_before_process_groups(tmp_path):
         ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "run"),
          "--training.device", "cpu", "--parallelism.dp_replicate", "3"],
         cwd=tmp_path,
-        env={**os.environ, "NGPU": "2", "MASTER_PORT": str(_free_port()), "CUDA_VISIBLE_DEVICES": "",
+        env={**os.environ, "NGPU": "2", "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
              "LOG_RANK": "0,1"},
         capture_output=True,
         text=True,

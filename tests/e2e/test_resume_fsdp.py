@@ -22,7 +22,6 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint import list_checkpoints
+from trainer.parallel.distributed import free_port
 from trainer.train import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,9 +102,7 @@ def runs(tmp_path_factory) -> Path:
     """Single-process 10 steps (in this process), then the one two-process launch."""
     tmp = tmp_path_factory.mktemp("resume_fsdp")
     assert main([*ARGS, "--job.dump_folder", str(tmp / "single")]) == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -123,6 +123,7 @@ def inductor_run(request):
     }
 
 
+@pytest.mark.slow  # the inductor_run fixture compiles and trains twice
 def test_no_recompiles_when_routing_changes(inductor_run):
     counts = torch.stack(inductor_run["counts"])  # [steps, E]
     # The routing really did change, with experts left without tokens on some steps.
@@ -134,6 +135,7 @@ def test_no_recompiles_when_routing_changes(inductor_run):
     assert inductor_run["graphs"] == [RUN_GRAPHS[inductor_run["dtype"]]] * STEPS
 
 
+@pytest.mark.slow  # the inductor_run fixture compiles and trains twice
 def test_compiled_losses_match_eager(inductor_run):
     tol = TOLERANCE[inductor_run["dtype"]]
     compiled = torch.tensor(inductor_run["losses"][:PARITY_STEPS])
@@ -144,6 +146,7 @@ def test_compiled_losses_match_eager(inductor_run):
     assert eager[-1] < eager[0]  # it trains
 
 
+@pytest.mark.slow  # the inductor_run fixture compiles and trains twice
 def test_graph_breaks_are_the_dispatcher_boundary(inductor_run):
     # Counted over the whole run: each break is counted when an MoE trace is made (once per
     # input dtype, shared by all MoE blocks). Dense blocks and the loss are compiled with

@@ -1,6 +1,6 @@
 """`torch.compile` per transformer block, with the MoE token split as the only graph break.
 
-House order (ARCHITECTURE.md section 1): ... -> AC -> compile -> FSDP -> to_empty -> init.
+House order (`docs/architecture.md`): ... -> AC -> compile -> FSDP -> to_empty -> init.
 Compilation is lazy: `apply_compile` only installs compiled callables; tracing happens at the
 first forward, after `to_empty`/`init_weights` have materialised the parameters, so compiling
 the meta-device model is fine.

@@ -1,4 +1,4 @@
-"""Embedding parallelism for Engram tables, and CPU-resident optimizer state for them.
+"""Embedding parallelism for Engram tables: row-sharded tables and the all-to-all lookup.
 
 Sharding (FlagScale PR 1147's scheme). Each Engram table's rows are split contiguously over a
 1-D process group ("engram" mesh): `rows_per_rank = ceil(num_rows / W)`, rank r owns rows
@@ -27,15 +27,15 @@ tables must not be sharded by FSDP (that would all-gather them every step): FSDP
 inside `tables_hidden_from_fsdp(model)`. In the training step `reduce_table_grads` runs after the
 last backward and `clip_grad_norm_with_tables` clips with each shard counted once.
 
-Checkpoints: the tables' `state_dict()` entries and their optimizer state (also the CPU-resident
-state of `offload_engram_group`) are `DTensor`s with `Shard(0)` placement over the engram mesh,
-so DCP reshards them to any other degree (`register_table_state_hooks`).
+Checkpoints: the tables' `state_dict()` entries are `DTensor`s with `Shard(0)` placement over
+the engram mesh, so DCP reshards them to any other degree; their optimizer state (and the
+CPU-resident Adam that may hold it) is `trainer/engram_optim.py`'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim.adamw import adamw as adamw_update
 
 from models.engram import EngramLookup, EngramTable, LocalEngramLookup, engram_modules, engram_table_params
+from trainer.parallel.distributed import all_reduce_sum, local_tensor
 
 
 def _as_group(mesh_or_group) -> dist.ProcessGroup:
@@ -293,7 +293,7 @@ def clip_grad_norm_with_tables(params: Sequence[torch.Tensor], max_norm: float, 
     norm = (tables_sq + others_sq).sqrt()
     if math.isfinite(max_norm) and params:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([_local(p.grad) for p in params], coef)
+        torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
     return norm
 
 
@@ -314,11 +314,11 @@ class _ShardedTableStateDict:
 
     def __call__(self, table: EngramTable, state_dict, prefix, local_metadata):
         key = prefix + "weight"
-        state_dict[key] = _row_sharded(state_dict[key], table, self.mesh)
+        state_dict[key] = row_sharded(state_dict[key], table, self.mesh)
         return state_dict
 
 
-def _row_sharded(local: torch.Tensor, table: EngramTable, mesh) -> DTensor:
+def row_sharded(local: torch.Tensor, table: EngramTable, mesh) -> DTensor:
     """The local rows of `table` as a view of the whole table (`Shard(0)` over the engram mesh)."""
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False,
@@ -330,10 +330,10 @@ def _load_table_rows(table: EngramTable, state_dict, prefix, *args) -> None:
     """load_state_dict pre-hook: keep this shard's rows of a full tensor or a DTensor."""
     key = prefix + "weight"
     if key in state_dict:
-        state_dict[key] = _local_rows(state_dict[key], table)
+        state_dict[key] = local_rows(state_dict[key], table)
 
 
-def _local_rows(value: torch.Tensor, table: EngramTable) -> torch.Tensor:
+def local_rows(value: torch.Tensor, table: EngramTable) -> torch.Tensor:
     """This shard's rows of a table-shaped full tensor or DTensor (other values unchanged)."""
     if hasattr(value, "to_local"):
         local = value.to_local()
@@ -344,24 +344,18 @@ def _local_rows(value: torch.Tensor, table: EngramTable) -> torch.Tensor:
     return value
 
 
-def all_reduce_table_grads(model: nn.Module, replicate_group, average: bool = False) -> None:
-    """Sum (or average) table grads over ranks that hold the SAME shard (never across shards)."""
+def all_reduce_table_grads(model: nn.Module, replicate_group) -> None:
+    """Sum table grads over ranks that hold the SAME shard (never across shards)."""
     group = _as_group(replicate_group)
-    if dist.get_world_size(group) == 1:
-        return
     for p in engram_table_params(model):
         if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
+            all_reduce_sum(p.grad, group)
 
 
 def table_grad_sq_norm(model: nn.Module, engram_group) -> torch.Tensor:
     """Squared L2 norm of all table grads with each shard counted once (sum over the engram
     group only); add it to the other parameters' squared norm before clipping."""
-    sq = _table_sq(model, torch.float64)
-    group = _as_group(engram_group)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
-    return sq.float()
+    return all_reduce_sum(_table_sq(model, torch.float64), _as_group(engram_group)).float()
 
 
 def _table_sq(model: nn.Module, cpu_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -374,204 +368,3 @@ def _table_sq(model: nn.Module, cpu_dtype: torch.dtype = torch.float32) -> torch
     for g in grads:
         sq += g.to(dtype).pow(2).sum()
     return sq
-
-
-class OffloadedAdam(torch.optim.Optimizer):
-    """Adam(W) whose state lives in CPU memory and whose update runs on the CPU.
-
-    Holds the device parameters in `param_groups` (schedulers, hooks and checkpoints see a normal
-    optimizer); `state[p]` keeps `step`, `exp_avg`, `exp_avg_sq` and an fp32 CPU `master` copy of
-    `p` (pinned when `p` is on CUDA). A step copies `p.grad` to the CPU, runs `torch.optim.AdamW`'s
-    functional update there, and copies the master back into `p` in place: the parameter tensor
-    (identity, storage) never changes.
-    """
-
-    def __init__(
-        self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.0,
-    ):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    def _state_for(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if not state:
-            pin = p.device.type == "cuda"
-            local = _local(p.detach())
-            master = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-            master.copy_(local)
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-            state["master"] = master
-            state["grad_buffer"] = torch.empty_like(master, pin_memory=pin)
-        return state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self._state_for(p) for p in params]
-            for p, s in zip(params, states):
-                s["grad_buffer"].copy_(_local(p.grad), non_blocking=True)
-            if params[0].device.type == "cuda":
-                torch.cuda.current_stream(params[0].device).synchronize()
-            beta1, beta2 = group["betas"]
-            adamw_update(
-                [s["master"] for s in states], [s["grad_buffer"] for s in states],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
-                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-            )
-            for p, s in zip(params, states):
-                _local(p).copy_(s["master"], non_blocking=True)
-        return loss
-
-    @torch.no_grad()
-    def load_param_state(self, p: torch.Tensor, entry: dict) -> None:
-        """Set `p`'s state from `entry` (`step`, `exp_avg`, `exp_avg_sq`, local shapes); the
-        master copy is taken from `p` itself, which must hold its loaded value already."""
-        state = self._state_for(p)
-        state["master"].copy_(_local(p.detach()))
-        state["step"] = entry["step"].detach().float().cpu().clone()
-        for name in ("exp_avg", "exp_avg_sq"):
-            state[name].copy_(entry[name])
-
-    def state_dict(self):
-        # The grad staging buffer is scratch space, not state.
-        sd = super().state_dict()
-        sd["state"] = {k: {n: v for n, v in s.items() if n != "grad_buffer"} for k, s in sd["state"].items()}
-        return sd
-
-    def load_state_dict(self, state_dict) -> None:
-        # torch.optim moves loaded state onto each parameter's device; bring it back to the CPU.
-        super().load_state_dict(state_dict)
-        for p, state in self.state.items():
-            pin = p.device.type == "cuda"
-            for name in ("exp_avg", "exp_avg_sq", "master"):
-                if name in state:
-                    cpu = torch.empty(state[name].shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-                    state[name] = cpu.copy_(state[name])
-            if "master" in state:
-                state["step"] = state["step"].float().cpu()
-                state["grad_buffer"] = torch.empty_like(state["master"], pin_memory=pin)
-
-
-class _OffloadedGroupStep:
-    """Optimizer step pre-hook: updates the `"engram"` group with `offloaded` (state on the CPU),
-    then drops those grads so the device optimizer skips the group. If the trainer skips a step
-    (non-finite loss) the hook does not run and `zero_grad` clears the grads as usual."""
-
-    def __init__(self, offloaded: OffloadedAdam):
-        self.offloaded = offloaded
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        # Looked up at every step: `optimizer.load_state_dict` replaces the group dicts.
-        (group,) = [g for g in optimizer.param_groups if g.get("engram")]
-        target = self.offloaded.param_groups[0]
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            target[key] = group[key]  # follows the LR schedule of the device optimizer
-        self.offloaded.step()
-        for p in group["params"]:
-            p.grad = None
-
-
-def offload_engram_group(optimizer: torch.optim.Optimizer) -> OffloadedAdam:
-    """Keep the Adam state of `optimizer`'s `"engram"` param group in CPU memory.
-
-    The group stays in `optimizer` (LR schedule, `zero_grad`, grad clipping see it as before) but
-    owns no device state: a step pre-hook runs `OffloadedAdam` on it first. The `OffloadedAdam` is
-    returned and kept as `optimizer.engram_offloaded` (`register_table_state_hooks` checkpoints it).
-    Weight decay is decoupled (AdamW); with the default `engram.weight_decay = 0` it is plain Adam.
-    """
-    (group,) = [g for g in optimizer.param_groups if g.get("engram")]
-    offloaded = OffloadedAdam(
-        group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
-    )
-    optimizer.register_step_pre_hook(_OffloadedGroupStep(offloaded))
-    optimizer.engram_offloaded = offloaded
-    return offloaded
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _TableOptimizerState:
-    """Optimizer `state_dict` post-hook and `load_state_dict` pre-hook for the `"engram"` group.
-
-    Saving: the CPU-resident state of `offload_engram_group` (step, exp_avg, exp_avg_sq; its fp32
-    master equals the parameter) goes where the device optimizer keeps its own, so a checkpoint
-    holds the same entries with offload on or off; table-shaped state of row-sharded tables
-    becomes a `DTensor` (`Shard(0)` over the engram mesh, like the weight), so DCP reshards it to
-    another embedding-parallel degree. Loading undoes both (new dicts: the live state is never
-    replaced by the checkpoint's views).
-    """
-
-    def __init__(self, model: nn.Module):
-        self.tables = {id(m.table.weight): m.table for m in engram_modules(model)}
-        lookup = sharded_lookup(model)
-        self.mesh = lookup.mesh if lookup is not None else None
-
-    @staticmethod
-    def _entries(optimizer, state_dict) -> list[tuple[int, torch.Tensor]]:
-        for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
-            if group.get("engram"):
-                return list(zip(saved["params"], group["params"]))
-        return []
-
-    def save(self, optimizer, state_dict):
-        offloaded = getattr(optimizer, "engram_offloaded", None)
-        state = dict(state_dict["state"])
-        for idx, p in self._entries(optimizer, state_dict):
-            entry = state.get(idx)
-            if offloaded is not None and offloaded.state.get(p):
-                s = offloaded.state[p]
-                entry = {"step": s["step"], "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
-            if entry:
-                state[idx] = {k: self._global(v, p) for k, v in entry.items()}
-        state_dict["state"] = state
-        return state_dict
-
-    def _global(self, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        if value.ndim == 0 or isinstance(value, DTensor):
-            return value
-        if isinstance(p, DTensor):  # offloaded local shard of an FSDP-sharded table
-            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        if self.mesh is not None:
-            return _row_sharded(value, self.tables[id(p)], self.mesh)
-        return value
-
-    def load(self, optimizer, state_dict):
-        offloaded = getattr(optimizer, "engram_offloaded", None)
-        state = dict(state_dict["state"])
-        for idx, p in self._entries(optimizer, state_dict):
-            entry = state.get(idx)
-            if not entry:
-                continue
-            if offloaded is not None:
-                offloaded.load_param_state(p, {k: self._local(v, p) for k, v in entry.items()})
-                del state[idx]  # no device-side state for the offloaded group
-            elif self.mesh is not None:
-                state[idx] = {k: self._local(v, p) for k, v in entry.items()}
-        state_dict["state"] = state
-        return state_dict
-
-    def _local(self, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        if isinstance(p, DTensor):
-            return value.redistribute(p.device_mesh, p.placements).to_local() if isinstance(value, DTensor) else value
-        return _local_rows(value, self.tables[id(p)])
-
-
-def register_table_state_hooks(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Make `optimizer.state_dict()` / `load_state_dict()` carry the `"engram"` group's state
-    (CPU-resident or row-sharded) in checkpointable form; see `_TableOptimizerState`."""
-    hooks = _TableOptimizerState(model)
-    optimizer.register_state_dict_post_hook(hooks.save)
-    optimizer.register_load_state_dict_pre_hook(hooks.load)

@@ -19,13 +19,13 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.moe import MoE
+from trainer.parallel.distributed import all_reduce_sum, local_tensor
 
 RESHARD_POLICIES = ("default", "always", "never")
 
@@ -120,10 +120,6 @@ def _shard_groups(param: torch.Tensor) -> tuple:
     return tuple(groups)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms. On CPU the fp32 norm kernels lose up to 4e-4 (relative) on an
     8192 x 128 gradient, enough to make a sharded and an unsharded norm disagree, so CPU sums
@@ -148,7 +144,7 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     for p in parameters:
         if p.grad is None:
             continue
-        g = _local(p.grad)
+        g = local_tensor(p.grad)
         device = g.device
         by_groups.setdefault(_shard_groups(p), []).append(g)
     if device is None:
@@ -157,7 +153,7 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     for groups, grads in by_groups.items():
         sq = _norms(grads).square().sum()
         for group in groups:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+            all_reduce_sum(sq, group)
         total += sq
     return total.sqrt()
 
@@ -171,5 +167,5 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     if math.isfinite(max_norm) and params:
         # No host sync: the coefficient stays a tensor (1.0 when under the limit).
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([_local(p.grad) for p in params], coef.to(_local(params[0].grad).device))
+        torch._foreach_mul_([local_tensor(p.grad) for p in params], coef.to(local_tensor(params[0].grad).device))
     return norm

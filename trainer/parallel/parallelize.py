@@ -1,6 +1,6 @@
 """The one entry that turns the single-device model into the parallel one.
 
-House order (docs: ARCHITECTURE.md section 1), all on the meta-device model:
+House order (`docs/architecture.md`), all on the meta-device model:
 
     float8 -> TP -> EP -> CP -> AC -> compile -> Engram tables -> FSDP2/HSDP   (then to_empty + init)
 
@@ -12,15 +12,16 @@ single process would draw.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.context_parallel import apply_context_parallel
+from trainer.parallel.distributed import all_reduce_sum
 from trainer.parallel.engram_parallel import (
     apply_engram_parallel,
     replicate_engram_tables,
@@ -99,13 +100,7 @@ def build_reduce_counts(parallel_dims: ParallelDims) -> Callable[[torch.Tensor],
     mesh = parallel_dims.mesh_or_none("loss")
     if mesh is None:
         return None
-    group = mesh.get_group()
-
-    def reduce_counts(counts: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        return counts
-
-    return reduce_counts
+    return functools.partial(all_reduce_sum, mesh_or_group=mesh.get_group())
 
 
 def _clean(name: str) -> str:

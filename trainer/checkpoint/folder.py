@@ -1,0 +1,269 @@
+"""The on-disk checkpoint folder: its files, its completion marker, and model-only weights.
+
+One checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N` holding DCP's shard files
+and `.metadata`, our `model_args.json` and, written last, the `COMPLETE` marker (a JSON object:
+`step`, `model_only`, `world_size`, ...). A folder without the marker, or a `step-N.tmp` folder,
+is an unfinished save. What the state dict inside holds is `trainer.checkpoint.manager`'s business;
+this module reads and writes the folder and the `model.*` entries that model-only exports,
+`initial_load_path` and `scripts/convert_hf.py` share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
+from models.deepseek_v3.hf_io import CONFIG_FILE, read_hf_config, read_hf_state_dict, rope_mismatches
+from trainer.parallel.distributed import is_distributed
+
+logger = logging.getLogger("trainer")
+
+COMPLETE = "COMPLETE"
+MODEL_ARGS = "model_args.json"
+DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"step-(\d+)")
+RANK_STATE = re.compile(r"rank_state_(\d+)\.")
+TMP_SUFFIX = ".tmp"
+# Buffers that keep fp32 in a reduced-precision export: the routing bias moves in steps of
+# ~1e-3, below bf16's resolution at magnitudes near 1.
+_KEEP_FP32_SUFFIXES = ("expert_bias", "tokens_per_expert")
+
+
+# DCP gathers every rank's failure into a CheckpointException, which is a BaseException.
+LOAD_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message says which and why."""
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    model_only: bool
+
+
+@contextmanager
+def quiet_single_process():
+    """DCP warns on every single-process save/load that it assumes a single process: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_load(state: dict[str, Any], path: Path) -> None:
+    """`dcp.load` of `state` in place from the checkpoint folder `path`, on one process or many."""
+    with quiet_single_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not is_distributed())
+
+
+def seal(tmp: Path, final: Path, model_args: DeepSeekV3ModelArgs, marker: dict) -> None:
+    """Finish a written checkpoint folder: add `model_args.json`, then the `COMPLETE` marker,
+    then rename `tmp` to `final` (replacing an older folder of that name)."""
+    (tmp / MODEL_ARGS).write_text(json.dumps(dataclasses.asdict(model_args), indent=1))
+    # Written last: its presence is the promise that everything else is on disk.
+    (tmp / COMPLETE).write_text(json.dumps(marker))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / DCP_METADATA).is_file()
+
+
+def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under `folder`, newest first; `.tmp` and unmarked folders are ignored."""
+    folder = Path(folder)
+    found = []
+    if not folder.is_dir():
+        return found
+    for path in folder.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir() and is_complete(path):
+            marker = read_marker(path)
+            found.append(CheckpointInfo(path, int(match.group(1)), bool(marker.get("model_only", False))))
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def read_marker(path: Path) -> dict:
+    try:
+        return json.loads((path / COMPLETE).read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def read_model_args(path: str | Path) -> DeepSeekV3ModelArgs:
+    """The model args a checkpoint was saved with (for conversion without the run's config)."""
+    file = Path(path) / MODEL_ARGS
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no {MODEL_ARGS}; is it a checkpoint written by this trainer?")
+    return DeepSeekV3ModelArgs(**json.loads(file.read_text()))
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint folder itself, or a folder of `step-N` checkpoints (its newest complete one)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if (path / DCP_METADATA).is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(
+            f"{path} is neither a DCP checkpoint (no {DCP_METADATA}) nor a folder of complete step-N checkpoints"
+        )
+    return found[0].path
+
+
+def short_error(e: BaseException) -> str:
+    """One line for the log instead of DCP's per-rank traceback dump."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = getattr(wrapped, "exception", wrapped)
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every key of a DCP checkpoint with its tensor shape (None for non-tensor values)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except LOAD_ERRORS as e:  # a corrupt .metadata raises whatever unpickling raises
+        raise UnreadableCheckpoint(f"cannot read {path / DCP_METADATA}: {short_error(e)}") from None
+    return {
+        k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in metadata.state_dict_metadata.items()
+    }
+
+
+class UnreadableCheckpoint(Exception):
+    """A checkpoint whose files are damaged (as opposed to one that does not fit the model)."""
+
+
+def _listing(keys: list[str], limit: int = 8) -> str:
+    return f"({len(keys)}): {', '.join(keys[:limit])}{' ...' if len(keys) > limit else ''}"
+
+
+def check_model_fits(
+    path: Path, model_sd: dict[str, Any], shapes: dict[str, tuple | None], prefix: str = "model."
+) -> None:
+    """Raise CheckpointError naming every key and shape that differs between checkpoint and model."""
+    ckpt = {k[len(prefix):]: s for k, s in shapes.items() if k.startswith(prefix)}
+    ours = {k: tuple(v.shape) for k, v in model_sd.items()}
+    missing = sorted(set(ours) - set(ckpt))
+    unexpected = sorted(set(ckpt) - set(ours))
+    wrong = [
+        f"{k}: checkpoint {ckpt[k]} vs model {ours[k]}" for k in sorted(set(ours) & set(ckpt)) if ckpt[k] != ours[k]
+    ]
+    if not (missing or unexpected or wrong):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing in checkpoint {_listing(missing)}")
+    if unexpected:
+        parts.append(f"not in this model {_listing(unexpected)}")
+    if wrong:
+        parts.append(f"shape mismatch ({len(wrong)}): {'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
+    raise CheckpointError(
+        f"checkpoint {path} was saved from a different model (another [model] flavor or model option?):\n  "
+        + "\n  ".join(parts)
+    )
+
+
+def export_state_dict(model_sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point weights cast to `dtype` (MoE routing buffers stay fp32)."""
+    return {
+        k: v.to(dtype) if v.is_floating_point() and not k.endswith(_KEEP_FP32_SUFFIXES) else v
+        for k, v in model_sd.items()
+    }
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+    """Load only the `model.*` entries of a DCP checkpoint (full or model-only, any dtype) into
+    `model`, resharding to its layout. Returns the checkpoint path used."""
+    path = resolve_checkpoint_path(path)
+    model_sd = get_model_state_dict(model)
+    try:
+        shapes = checkpoint_shapes(path)
+    except UnreadableCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+    check_model_fits(path, model_sd, shapes)
+    state = {"model": model_sd}
+    try:
+        dcp_load(state, path)
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"cannot read the model weights of {path}: {short_error(e)}") from None
+    set_model_state_dict(model, state["model"])
+    return path
+
+
+def load_hf_weights(path: str | Path, model: torch.nn.Module, args: DeepSeekV3ModelArgs) -> None:
+    """Load a HF / DeepSeek safetensors folder (bf16/fp32, or FP8 with block scales) into `model`.
+    Every rank reads the files and keeps its own shards (`full_state_dict` loading)."""
+    hf_sd = read_hf_state_dict(path, dtype=torch.float32)
+    if (Path(path) / CONFIG_FILE).is_file() and (mismatch := rope_mismatches(args, read_hf_config(path))):
+        logger.warning("positional settings differ from %s/%s (ours vs its): %s", path, CONFIG_FILE, "; ".join(mismatch))
+    try:
+        native = DeepSeekV3StateDictAdapter(args).from_hf(hf_sd)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"HF checkpoint {path} does not fit this model: {e.args[0] if e.args else e}") from None
+    result = set_model_state_dict(model, native, options=StateDictOptions(full_state_dict=True, strict=False))
+    if result.missing_keys:
+        logger.info("HF checkpoint has no weights for %d keys (kept freshly initialised): %s",
+                    len(result.missing_keys), ", ".join(result.missing_keys[:6]))
+
+
+def save_model_checkpoint(
+    model_sd: dict[str, torch.Tensor], path: str | Path, model_args: DeepSeekV3ModelArgs, step: int = 0
+) -> Path:
+    """Write a model-only DCP checkpoint folder (atomically, with `model_args.json` and the
+    `COMPLETE` marker) that `initial_load_path` and `scripts/convert_hf.py export` read."""
+    final = Path(path)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    with quiet_single_process():
+        dcp.save({"model": model_sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not is_distributed())
+    seal(tmp, final, model_args, {"step": step, "model_only": True})
+    return final
+
+
+def read_model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The `model.*` tensors of a DCP checkpoint as plain CPU tensors in their saved dtypes,
+    without building a model (for conversion)."""
+    path = resolve_checkpoint_path(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {
+        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    if not model:
+        raise CheckpointError(f"{path} holds no model weights")
+    state = {"model": model}
+    try:
+        dcp_load(state, path)
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"cannot read the model weights of {path}: {short_error(e)}") from None
+    return state["model"]
