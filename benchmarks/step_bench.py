@@ -47,12 +47,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import trainer.train as train_module  # noqa: E402
+from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
+from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
@@ -104,8 +108,15 @@ def build_trainer(name: str, a, folder: Path) -> Trainer:
         argv.append("--quantize.float8_experts")
     if a.peak_flops:
         argv += ["--metrics.peak_flops", str(a.peak_flops)]
+    build_args = train_module.build_model_args
+
+    def overridden_model_args(*args, **kwargs):
+        return apply_overrides(build_args(*args, **kwargs), a.model_override)
+
+    # The overrides apply after the trainer derived its model args from the config (vocabulary,
+    # seq_len, MoE options), so they win over both; the trainer's FLOPs and memory use the result.
     # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), mock.patch.object(train_module, "build_model_args", overridden_model_args):
         trainer = Trainer(load_config(argv))
     trainer.train_iter = iter(trainer.train_loader)
     return trainer
@@ -213,8 +224,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--peak-flops", type=float, default=0.0, help="device peak FLOP/s for MFU; 0 = look it up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a DeepSeekV3ModelArgs field of the flavor, repeatable: n_layers=4, moe.num_experts=16")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = p.parse_args(argv)
+    try:
+        apply_overrides(get_flavor(a.flavor), a.model_override)
+    except (ModelOverrideError, ValueError) as e:
+        p.error(str(e))
     device = torch.device(a.device)
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -261,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = a.batch_size * a.seq_len
     result = {
         "benchmark": "train_step",
-        "flavor": a.flavor, "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
+        "flavor": a.flavor, "model_overrides": a.model_override, "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "steps": a.steps, "repeats": a.repeats, "warmup": a.warmup, "ac": a.ac,
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(result: dict) -> str:
     mfu_known = result["peak_flops"] is not None
     lines = [
-        f"{result['flavor']}, {result['dtype']}, {result['device']}, batch {result['batch_size']} x "
+        f"{result['flavor']}{''.join(' ' + o for o in result['model_overrides'])}, {result['dtype']}, {result['device']}, batch {result['batch_size']} x "
         f"{result['seq_len']}, {result['repeats']} blocks of {result['steps']} steps; "
         f"FLOPs/token {result['flops_per_token']:.3g} ({result['flops_convention']})",
         "",
