@@ -58,6 +58,7 @@ import trainer.train as train_module  # noqa: E402
 from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
 from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.profiling import profile_step  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
 FLOPS_CONVENTION = (
@@ -172,6 +173,7 @@ class Variant:
         self.warmup_s = 0.0
         self.memory_note = ""
         self.peak_bytes: int | None = None
+        self.profile: list[dict] = []
 
     def step(self, measure_cuda_memory: bool = False) -> tuple[float, float]:
         t, device = self.trainer, self.trainer.device
@@ -226,8 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE",
                    help="change a DeepSeekV3ModelArgs field of the flavor, repeatable: n_layers=4, moe.num_experts=16")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile --profile-steps more steps per variant: top ops, kernel "
+                        "launches, host reads of device values, a Chrome trace per step in --trace-dir")
+    p.add_argument("--profile-steps", type=int, default=1, help="profiled steps per variant with --profile")
+    p.add_argument("--trace-dir", default="step_bench_traces", help="where --profile writes <variant>_step<k>.json")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = p.parse_args(argv)
+    if a.profile_steps < 1:
+        p.error(f"--profile-steps must be >= 1, got {a.profile_steps}")
     try:
         apply_overrides(get_flavor(a.flavor), a.model_override)
     except (ModelOverrideError, ValueError) as e:
@@ -271,6 +280,12 @@ def main(argv: list[str] | None = None) -> dict:
                 v.peak_bytes = max(v.cuda_peaks) + state_bytes(v.trainer)
             else:
                 v.measure_cpu_memory(Path(tmp))
+        if a.profile:
+            for v in variants:
+                for k in range(a.profile_steps):
+                    trace = Path(a.trace_dir) / f"{v.name}_step{k}.json"
+                    # No Python read counter under compile: dynamo cannot trace through its mode.
+                    v.profile.append(profile_step(v.step, device, trace, count_python_reads="compile" not in v.name))
         for v in variants:
             v.trainer.close()
 
@@ -326,6 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
             r["pct_of_reference_matmul_per_repeat"] = fractions
         if v.memory_note:
             r["memory_note"] = v.memory_note
+        if v.profile:
+            r["profile"] = v.profile
+            for counter in ("kernel_launches", "host_syncs", "host_reads", "scalar_reads_aten"):
+                r[counter] = v.profile[-1][counter]
         result["variants"][v.name] = r
     base = result["variants"][variants[0].name]
     for r in result["variants"].values():
@@ -384,6 +403,17 @@ def markdown(result: dict) -> str:
         )
         lines += ["", f"scripts/estimate_memory.py: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
                       f"{ratios or 'n/a'}"]
+    profiled = {n: r for n, r in result["variants"].items() if "profile" in r}
+    for name, r in profiled.items():
+        for k, step in enumerate(r["profile"]):
+            syncs = "n/a on CPU" if step["host_syncs"] is None else step["host_syncs"]
+            reads = "n/a under compile" if step["host_reads"] is None else f"{step['host_reads']} {step['host_reads_by_kind']}"
+            lines += ["", f"Profile {name} step {k}: kernel launches {step['kernel_launches']} "
+                          f"({step['kernel_launch_counter']}), host syncs {syncs}, host reads of device values "
+                          f"{reads}, aten scalar reads "
+                          f"{step['scalar_reads_aten']}; trace {step.get('trace')}",
+                      "", f"| op (by {step['top_ops_by']}) | ms | calls |", "|---|---|---|"]
+            lines += [f"| {op['name'][:80]} | {op['ms']:.3f} | {op['calls']} |" for op in step["top_ops"]]
     return "\n".join(lines)
 
 

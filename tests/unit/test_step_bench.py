@@ -74,3 +74,21 @@ def test_model_overrides_reach_top_level_and_nested_fields():
         apply_overrides(base, ["engram.head_dim=8"])
     with pytest.raises(ModelOverrideError, match="top_k must be"):  # the dataclass's own validation
         apply_overrides(base, ["moe.top_k=1000"])
+
+
+def test_profile_counters_trace_and_model_override(tmp_path, capsys):
+    step_bench = _load("step_bench")
+    result = step_bench.main(
+        ["--seq-len", "32", "--batch-size", "1", "--steps", "1", "--repeats", "1", "--warmup", "1",
+         "--variants", "eager", "--device", "cpu", "--model-override", "n_layers=2", "--model-override",
+         "moe.top_k=1", "--profile", "--trace-dir", str(tmp_path)]
+    )
+    assert result["model_overrides"] == ["n_layers=2", "moe.top_k=1"]
+    r = result["variants"]["eager"]
+    (step,) = r["profile"]
+    assert r["kernel_launches"] == step["kernel_launches"] > 100  # leaf aten ops of a whole train step
+    assert step["host_syncs"] is None and r["host_reads"] == sum(step["host_reads_by_kind"].values())
+    assert step["top_ops"] and step["top_ops"][0]["ms"] >= step["top_ops"][-1]["ms"]
+    trace = json.loads((tmp_path / "eager_step0.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "Profile eager step 0: kernel launches" in capsys.readouterr().out
