@@ -28,7 +28,7 @@ allocator's peak during its timed steps minus what was allocated before the step
 variants' models share the device); on CPU, where torch keeps no allocator statistics, one extra
 untimed step under ``torch.profiler`` with ``profile_memory=True``, whose memory events carry
 the running total of bytes allocated since profiling started. Both count every byte torch
-allocates (activations, gradients, temporaries), i.e. what scripts/estimate_memory.py models;
+allocates (activations, gradients, temporaries), i.e. what trainer/memory.py models;
 the process RSS would add the Python and library runtime.
 
     python benchmarks/step_bench.py                      # CPU: debugmodel, fp32, eager vs compile
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -58,6 +57,7 @@ import trainer.train as train_module  # noqa: E402
 from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
 from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.memory import estimate  # noqa: E402
 from trainer.profiling import profile_step  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
@@ -132,15 +132,14 @@ def state_bytes(trainer: Trainer) -> int:
 
 
 def memory_estimate_mib(trainer: Trainer, a) -> float | None:
-    """scripts/estimate_memory.py for this single-device config (its model is only AC none/full)."""
+    """trainer/memory.py (scripts/estimate_memory.py) for this single-device config (AC none/full only)."""
     if a.ac not in ("none", "full"):
         return None
-    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "scripts" / "estimate_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    est = module.estimate(
-        a.flavor, 1, 1, 1, 1, a.seq_len, a.batch_size, a.ac,
-        mixed_precision=trainer.cfg.training.mixed_precision_param, model_args=trainer.model_args,
+    m = trainer.cfg.model
+    est = estimate(
+        a.flavor, 1, 1, 1, 1, a.seq_len, a.batch_size, a.ac, mixed_precision=trainer.cfg.training.mixed_precision_param,
+        model_args=trainer.model_args, device_type=trainer.device.type,
+        block_causal_sdpa=m.attn_mask_type == "block_causal" and m.attn_backend == "sdpa",
     )
     return est["gib"]["total"] * 1024
 
@@ -401,7 +400,7 @@ def markdown(result: dict) -> str:
         ratios = ", ".join(
             f"{n} {r['estimate_vs_measured']:.3f}" for n, r in result["variants"].items() if "estimate_vs_measured" in r
         )
-        lines += ["", f"scripts/estimate_memory.py: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
+        lines += ["", f"trainer/memory.py estimate: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
                       f"{ratios or 'n/a'}"]
     profiled = {n: r for n, r in result["variants"].items() if "profile" in r}
     for name, r in profiled.items():
