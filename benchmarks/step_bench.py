@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
             skipped[n] = reason
             names.remove(n)
             print(f"skipping {n}: {reason}", file=sys.stderr)
+    if not names:
+        p.error(f"every variant was skipped: {'; '.join(f'{n}: {why}' for n, why in skipped.items())}")
 
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         variants = [Variant(n, build_trainer(n, a, Path(tmp))) for n in names]
