@@ -43,6 +43,14 @@ else
         echo "gpu_check: GPU_CHECK_DRY_RUN=1 runs the same commands at tiny sizes on CPU to check the wiring."
         exit 0
     fi
+    missing=$("$PY" -c "
+import importlib.util
+print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m) is None))")
+    if [ -n "$missing" ]; then
+        echo "gpu_check: the trainer needs Python packages this machine lacks: $missing. This script installs"
+        echo "gpu_check: nothing: bring them as wheels and put them on PYTHONPATH (docs/performance.md, gpu_check.sh)."
+        exit 1
+    fi
     DEVICE=cuda
     A_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile)
     B_ARGS=(--flavor 16B --model-override n_layers=4 --dtype bf16 --seq-len 4096 --batch-size 2)
