@@ -117,7 +117,8 @@ def build_trainer(name: str, a, folder: Path) -> Trainer:
     # The overrides apply after the trainer derived its model args from the config (vocabulary,
     # seq_len, MoE options), so they win over both; the trainer's FLOPs and memory use the result.
     # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
-    with contextlib.redirect_stdout(sys.stderr), mock.patch.object(train_module, "build_model_args", overridden_model_args):
+    patched = mock.patch.object(train_module, "build_model_args", overridden_model_args)
+    with contextlib.redirect_stdout(sys.stderr), patched:
         trainer = Trainer(load_config(argv))
     trainer.train_iter = iter(trainer.train_loader)
     return trainer
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = a.batch_size * a.seq_len
     result = {
         "benchmark": "train_step",
-        "flavor": a.flavor, "model_overrides": a.model_override, "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
+        "flavor": a.flavor, "model_overrides": a.model_override,
+        "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "steps": a.steps, "repeats": a.repeats, "warmup": a.warmup, "ac": a.ac,
@@ -370,7 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(result: dict) -> str:
     mfu_known = result["peak_flops"] is not None
     lines = [
-        f"{result['flavor']}{''.join(' ' + o for o in result['model_overrides'])}, {result['dtype']}, {result['device']}, batch {result['batch_size']} x "
+        f"{' '.join([result['flavor'], *result['model_overrides']])}, {result['dtype']}, {result['device']}, "
+        f"batch {result['batch_size']} x "
         f"{result['seq_len']}, {result['repeats']} blocks of {result['steps']} steps; "
         f"FLOPs/token {result['flops_per_token']:.3g} ({result['flops_convention']})",
         "",
@@ -408,7 +411,10 @@ def markdown(result: dict) -> str:
     for name, r in profiled.items():
         for k, step in enumerate(r["profile"]):
             syncs = "n/a on CPU" if step["host_syncs"] is None else step["host_syncs"]
-            reads = "n/a under compile" if step["host_reads"] is None else f"{step['host_reads']} {step['host_reads_by_kind']}"
+            reads = (
+                "n/a under compile" if step["host_reads"] is None
+                else f"{step['host_reads']} {step['host_reads_by_kind']}"
+            )
             lines += ["", f"Profile {name} step {k}: kernel launches {step['kernel_launches']} "
                           f"({step['kernel_launch_counter']}), host syncs {syncs}, host reads of device values "
                           f"{reads}, aten scalar reads "

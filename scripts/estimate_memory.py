@@ -38,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
     try:
-        r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size, args.ac,
-                     args.mixed_precision,
-                     device_type=args.device)
+        r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
+                     args.ac, args.mixed_precision, device_type=args.device)
     except ValueError as e:
         p.error(str(e))
     if args.json:

@@ -210,11 +210,13 @@ def estimate(
 
 def available_bytes(device: torch.device) -> tuple[int | None, str]:
     """Memory a run on ``device`` can still take, and the device's name: free CUDA memory
-    (``torch.cuda.mem_get_info``), or on CPU the host's MemAvailable shared by the processes
-    of this host (``LOCAL_WORLD_SIZE``). None where the host does not say."""
+    (``torch.cuda.mem_get_info``) plus the blocks torch's caching allocator holds unused, or on
+    CPU the host's MemAvailable shared by the processes of this host (``LOCAL_WORLD_SIZE``).
+    None where the host does not say."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free, f"{torch.cuda.get_device_name(device)} ({device})"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, f"{torch.cuda.get_device_name(device)} ({device})"
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     where = "this host's CPU memory" + (f" shared by {procs} processes" if procs > 1 else "")
     try:
