@@ -53,3 +53,13 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate():
 def test_available_memory_on_cpu():
     free, where = available_bytes(torch.device("cpu"))
     assert free is not None and free > 0 and "CPU memory" in where
+
+
+def test_available_memory_on_cuda_counts_cached_free_blocks(monkeypatch):
+    """The CUDA calls are stubbed: what the check asks of the allocator, not a GPU."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 26 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    free, where = available_bytes(torch.device("cuda", 0))
+    assert free == 14 * GiB and where == "NVIDIA H100 80GB HBM3 (cuda:0)"
