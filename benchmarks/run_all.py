@@ -10,7 +10,8 @@ when a GPU is visible).
     python benchmarks/run_all.py --out-dir outputs/bench  # full run
 
 Writes ``<out-dir>/run_all.json`` (per benchmark: command, exit code, seconds, parsed result)
-and ``<out-dir>/run_all.md`` (the tables each script printed), and prints the markdown.
+and ``<out-dir>/run_all.md`` (the tables each script printed), and prints the markdown; the
+step benchmark runs with ``--profile``, its Chrome traces in ``<out-dir>/step_traces``.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def parse(kind: str, stdout: str, json_file: Path | None) -> tuple[dict | None, 
     return result, "    " + stdout.strip().replace("\n", "\n    ")
 
 
-def run_one(name: str, quick: bool, tmp: Path) -> dict:
+def run_one(name: str, quick: bool, tmp: Path, out: Path) -> dict:
     script, quick_args, kind = BENCHMARKS[name]
     cmd = [sys.executable, str(BENCH / script), *(quick_args if quick else [])]
+    if name == "step":  # the profiling counters (kernel launches, host reads) next to tokens/s
+        cmd += ["--profile", "--trace-dir", str(out / "step_traces")]
     json_file = None
     if kind == "json_file":
         json_file = tmp / f"{name}.json"
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": started.strftime("%Y-%m-%d %H:%M UTC"),
             "quick": a.quick,
             "load_average_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            "benchmarks": {name: run_one(name, a.quick, Path(tmp)) for name in names},
+            "benchmarks": {name: run_one(name, a.quick, Path(tmp), out) for name in names},
         }
     (out / "run_all.json").write_text(json.dumps(report, indent=2))
     md = [f"# run_all{' --quick' if a.quick else ''}, {report['date']} (load average {report['load_average_at_start']})", ""]

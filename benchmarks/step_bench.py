@@ -28,7 +28,7 @@ allocator's peak during its timed steps minus what was allocated before the step
 variants' models share the device); on CPU, where torch keeps no allocator statistics, one extra
 untimed step under ``torch.profiler`` with ``profile_memory=True``, whose memory events carry
 the running total of bytes allocated since profiling started. Both count every byte torch
-allocates (activations, gradients, temporaries), i.e. what scripts/estimate_memory.py models;
+allocates (activations, gradients, temporaries), i.e. what trainer/memory.py models;
 the process RSS would add the Python and library runtime.
 
     python benchmarks/step_bench.py                      # CPU: debugmodel, fp32, eager vs compile
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -47,13 +46,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import trainer.train as train_module  # noqa: E402
+from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
+from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.memory import estimate  # noqa: E402
+from trainer.profiling import profile_step  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
 FLOPS_CONVENTION = (
@@ -104,8 +109,16 @@ def build_trainer(name: str, a, folder: Path) -> Trainer:
         argv.append("--quantize.float8_experts")
     if a.peak_flops:
         argv += ["--metrics.peak_flops", str(a.peak_flops)]
+    build_args = train_module.build_model_args
+
+    def overridden_model_args(*args, **kwargs):
+        return apply_overrides(build_args(*args, **kwargs), a.model_override)
+
+    # The overrides apply after the trainer derived its model args from the config (vocabulary,
+    # seq_len, MoE options), so they win over both; the trainer's FLOPs and memory use the result.
     # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
-    with contextlib.redirect_stdout(sys.stderr):
+    patched = mock.patch.object(train_module, "build_model_args", overridden_model_args)
+    with contextlib.redirect_stdout(sys.stderr), patched:
         trainer = Trainer(load_config(argv))
     trainer.train_iter = iter(trainer.train_loader)
     return trainer
@@ -120,15 +133,14 @@ def state_bytes(trainer: Trainer) -> int:
 
 
 def memory_estimate_mib(trainer: Trainer, a) -> float | None:
-    """scripts/estimate_memory.py for this single-device config (its model is only AC none/full)."""
+    """trainer/memory.py (scripts/estimate_memory.py) for this single-device config (AC none/full only)."""
     if a.ac not in ("none", "full"):
         return None
-    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "scripts" / "estimate_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    est = module.estimate(
-        a.flavor, 1, 1, 1, 1, a.seq_len, a.batch_size, a.ac,
-        mixed_precision=trainer.cfg.training.mixed_precision_param, model_args=trainer.model_args,
+    m = trainer.cfg.model
+    est = estimate(
+        a.flavor, 1, 1, 1, 1, a.seq_len, a.batch_size, a.ac, mixed_precision=trainer.cfg.training.mixed_precision_param,
+        model_args=trainer.model_args, device_type=trainer.device.type,
+        block_causal_sdpa=m.attn_mask_type == "block_causal" and m.attn_backend == "sdpa",
     )
     return est["gib"]["total"] * 1024
 
@@ -161,6 +173,7 @@ class Variant:
         self.warmup_s = 0.0
         self.memory_note = ""
         self.peak_bytes: int | None = None
+        self.profile: list[dict] = []
 
     def step(self, measure_cuda_memory: bool = False) -> tuple[float, float]:
         t, device = self.trainer, self.trainer.device
@@ -213,8 +226,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--peak-flops", type=float, default=0.0, help="device peak FLOP/s for MFU; 0 = look it up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a DeepSeekV3ModelArgs field of the flavor, repeatable: n_layers=4, moe.num_experts=16")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile --profile-steps more steps per variant: top ops, kernel "
+                        "launches, host reads of device values, a Chrome trace per step in --trace-dir")
+    p.add_argument("--profile-steps", type=int, default=1, help="profiled steps per variant with --profile")
+    p.add_argument("--trace-dir", default="step_bench_traces", help="where --profile writes <variant>_step<k>.json")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = p.parse_args(argv)
+    if a.profile_steps < 1:
+        p.error(f"--profile-steps must be >= 1, got {a.profile_steps}")
+    try:
+        apply_overrides(get_flavor(a.flavor), a.model_override)
+    except (ModelOverrideError, ValueError) as e:
+        p.error(str(e))
     device = torch.device(a.device)
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -227,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
             skipped[n] = reason
             names.remove(n)
             print(f"skipping {n}: {reason}", file=sys.stderr)
+    if not names:
+        p.error(f"every variant was skipped: {'; '.join(f'{n}: {why}' for n, why in skipped.items())}")
 
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         variants = [Variant(n, build_trainer(n, a, Path(tmp))) for n in names]
@@ -254,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
                 v.peak_bytes = max(v.cuda_peaks) + state_bytes(v.trainer)
             else:
                 v.measure_cpu_memory(Path(tmp))
+        if a.profile:
+            for v in variants:
+                for k in range(a.profile_steps):
+                    trace = Path(a.trace_dir) / f"{v.name}_step{k}.json"
+                    # No Python read counter under compile: dynamo cannot trace through its mode.
+                    v.profile.append(profile_step(v.step, device, trace, count_python_reads="compile" not in v.name))
         for v in variants:
             v.trainer.close()
 
@@ -261,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = a.batch_size * a.seq_len
     result = {
         "benchmark": "train_step",
-        "flavor": a.flavor, "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
+        "flavor": a.flavor, "model_overrides": a.model_override,
+        "dtype": a.dtype, "seq_len": a.seq_len, "batch_size": a.batch_size,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "steps": a.steps, "repeats": a.repeats, "warmup": a.warmup, "ac": a.ac,
@@ -309,6 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
             r["pct_of_reference_matmul_per_repeat"] = fractions
         if v.memory_note:
             r["memory_note"] = v.memory_note
+        if v.profile:
+            r["profile"] = v.profile
+            for counter in ("kernel_launches", "host_syncs", "host_reads", "scalar_reads_aten"):
+                r[counter] = v.profile[-1][counter]
         result["variants"][v.name] = r
     base = result["variants"][variants[0].name]
     for r in result["variants"].values():
@@ -333,7 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(result: dict) -> str:
     mfu_known = result["peak_flops"] is not None
     lines = [
-        f"{result['flavor']}, {result['dtype']}, {result['device']}, batch {result['batch_size']} x "
+        f"{' '.join([result['flavor'], *result['model_overrides']])}, {result['dtype']}, {result['device']}, "
+        f"batch {result['batch_size']} x "
         f"{result['seq_len']}, {result['repeats']} blocks of {result['steps']} steps; "
         f"FLOPs/token {result['flops_per_token']:.3g} ({result['flops_convention']})",
         "",
@@ -365,8 +405,22 @@ def markdown(result: dict) -> str:
         ratios = ", ".join(
             f"{n} {r['estimate_vs_measured']:.3f}" for n, r in result["variants"].items() if "estimate_vs_measured" in r
         )
-        lines += ["", f"scripts/estimate_memory.py: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
+        lines += ["", f"trainer/memory.py estimate: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
                       f"{ratios or 'n/a'}"]
+    profiled = {n: r for n, r in result["variants"].items() if "profile" in r}
+    for name, r in profiled.items():
+        for k, step in enumerate(r["profile"]):
+            syncs = "n/a on CPU" if step["host_syncs"] is None else step["host_syncs"]
+            reads = (
+                "n/a under compile" if step["host_reads"] is None
+                else f"{step['host_reads']} {step['host_reads_by_kind']}"
+            )
+            lines += ["", f"Profile {name} step {k}: kernel launches {step['kernel_launches']} "
+                          f"({step['kernel_launch_counter']}), host syncs {syncs}, host reads of device values "
+                          f"{reads}, aten scalar reads "
+                          f"{step['scalar_reads_aten']}; trace {step.get('trace')}",
+                      "", f"| op (by {step['top_ops_by']}) | ms | calls |", "|---|---|---|"]
+            lines += [f"| {op['name'][:80]} | {op['ms']:.3f} | {op['calls']} |" for op in step["top_ops"]]
     return "\n".join(lines)
 
 

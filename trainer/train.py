@@ -30,6 +30,7 @@ from models.deepseek_v3 import (
 from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.memory import check_fits
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
@@ -180,6 +181,7 @@ class Trainer:
         tokenizer_path = resolve_path(cfg.model.tokenizer_path)
         self.tokenizer = build_tokenizer(tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, self.tokenizer.eos_id)
+        check_fits(cfg, self.model_args, self.parallel_dims, self.device)  # before a build that could not fit
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)

@@ -92,3 +92,28 @@ def test_bad_profiling_options(argv):
 
     with pytest.raises(ConfigError, match="profiling"):
         load_config(argv)
+
+
+def test_profile_step_counts_host_reads_and_leaf_ops(tmp_path):
+    from trainer.profiling import profile_step
+
+    x = torch.tensor([1.0, -2.0, 3.0])
+
+    def step():
+        y = x * 2
+        y.sum().item()
+        y.tolist()
+        int(y[0])
+        bool(y[1] > 0)
+        y[y > 0].sum()
+        torch.nonzero(y)
+        torch.ones(2, device="meta").sum()  # another device: not a host read of this one
+
+    r = profile_step(step, torch.device("cpu"), tmp_path / "t.json")
+    assert r["host_reads_by_kind"] == {"item": 1, "tolist": 1, "__int__": 1, "__bool__": 1, "bool_index": 1,
+                                       "nonzero": 1}
+    assert r["host_reads"] == 6 and r["host_syncs"] is None
+    assert r["scalar_reads_aten"] == 3  # item, int(), bool(): the reads that go through aten
+    assert r["kernel_launches"] >= 8 and "CPU proxy" in r["kernel_launch_counter"]
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert profile_step(step, torch.device("cpu"), count_python_reads=False)["host_reads"] is None

@@ -54,3 +54,41 @@ def test_run_all_reads_each_output_kind(tmp_path):
     assert run_all.parse("json_file", 'header\n{"cp": 2}\n', tmp_path / "cp.json") == ({"cp": 2}, "    header")
     text = "step time without Engram 489.0 ms | with Engram at layers [1, 3] (K=4, D_h=16) 366.0 ms | ratio 0.748\n"
     assert run_all.parse("engram_text", text, None)[0] == {"ms_without": 489.0, "ms_with": 366.0, "ratio": 0.748}
+
+
+def test_model_overrides_reach_top_level_and_nested_fields():
+    from benchmarks.model_overrides import ModelOverrideError, apply_overrides
+    from models.deepseek_v3 import get_flavor
+
+    base = get_flavor("16B")
+    a = apply_overrides(base, ["n_layers=4", "moe.num_experts=16", "moe.route_norm=false", "rope_factor=2.5"])
+    assert (a.n_layers, a.moe.num_experts, a.moe.route_norm, a.rope_factor) == (4, 16, False, 2.5)
+    assert a.dim == base.dim and base.n_layers != 4  # the preset itself is untouched
+    with pytest.raises(ModelOverrideError, match="unknown key.*n_layers"):
+        apply_overrides(base, ["n_layer=4"])
+    with pytest.raises(ModelOverrideError, match="moe.top_kk: unknown key; moe.\\* keys are: .*top_k"):
+        apply_overrides(base, ["moe.top_kk=2"])
+    with pytest.raises(ModelOverrideError, match="expected key=value"):
+        apply_overrides(base, ["n_layers"])
+    with pytest.raises(ModelOverrideError, match="no engram"):
+        apply_overrides(base, ["engram.head_dim=8"])
+    with pytest.raises(ModelOverrideError, match="top_k must be"):  # the dataclass's own validation
+        apply_overrides(base, ["moe.top_k=1000"])
+
+
+def test_profile_counters_trace_and_model_override(tmp_path, capsys):
+    step_bench = _load("step_bench")
+    result = step_bench.main(
+        ["--seq-len", "32", "--batch-size", "1", "--steps", "1", "--repeats", "1", "--warmup", "1",
+         "--variants", "eager", "--device", "cpu", "--model-override", "n_layers=2", "--model-override",
+         "moe.top_k=1", "--profile", "--trace-dir", str(tmp_path)]
+    )
+    assert result["model_overrides"] == ["n_layers=2", "moe.top_k=1"]
+    r = result["variants"]["eager"]
+    (step,) = r["profile"]
+    assert r["kernel_launches"] == step["kernel_launches"] > 100  # leaf aten ops of a whole train step
+    assert step["host_syncs"] is None and r["host_reads"] == sum(step["host_reads_by_kind"].values())
+    assert step["top_ops"] and step["top_ops"][0]["ms"] >= step["top_ops"][-1]["ms"]
+    trace = json.loads((tmp_path / "eager_step0.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "Profile eager step 0: kernel launches" in capsys.readouterr().out

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the MoE-step efficiency work (issue 13) in one run, one table at the end.
+# Installs nothing: needs torch with CUDA (and torchao for float8) already importable.
+#
+#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100
+#   GPU_CHECK_OUT=$OUT bash benchmarks/gpu_check.sh  # keep the JSON results, logs and traces there
+#   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh # the same commands at tiny sizes on CPU (wiring test)
+#
+# Measurements (each a benchmark of this repository; its JSON and log land in $GPU_CHECK_OUT):
+#   A  step_bench proxy_1b, bf16, compile, batch 4 x 4096, with --profile: tokens/s, MFU, peak
+#      memory vs the trainer/memory.py estimate, kernel launches and host syncs of one step.
+#   B  step_bench 16B flavor (DeepSeek-V2-Lite widths, dim 2048) with n_layers=4, bf16, batch 2 x
+#      4096, compile: MFU.
+#   D  the same with float8 (routed experts too), in its own process (two such models and their
+#      optimizer states do not fit one 80 GB GPU together): the float8 speed-up is D / B.
+#   C  moe_bench at proxy_1b sizes, 16384 tokens, bf16: MoE layer time / dense-ideal time.
+# A failed or timed-out measurement shows as "failed" in the table (its log says why); the
+# others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export WANDB_MODE="${WANDB_MODE:-disabled}" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+PY="${PYTHON:-python3}"
+OUT_DIR="${GPU_CHECK_OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
+STEP_TIMEOUT="${GPU_CHECK_STEP_TIMEOUT:-240}"
+DRY="${GPU_CHECK_DRY_RUN:-0}"
+mkdir -p "$OUT_DIR"
+
+if [ "$DRY" = "1" ]; then
+    # Same commands and table, sizes a 2-core CPU runs in seconds; compile and float8 variants
+    # become eager ones / are skipped by step_bench (float8 speed needs a GPU).
+    DEVICE=cpu
+    A_ARGS=(--flavor debugmodel --dtype fp32 --seq-len 32 --batch-size 2 --variants eager)
+    B_ARGS=(--flavor debugmodel --model-override n_layers=2 --dtype fp32 --seq-len 32 --batch-size 1)
+    B_VARIANT=eager
+    D_VARIANTS=eager,eager_float8
+    C_ARGS=(--flavor debugmodel --tokens 256 --dtype fp32 --rounds 2 --warmup 1)
+    TIMING=(--steps 1 --repeats 1 --warmup 1)
+else
+    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); skipping every GPU measurement."
+        echo "gpu_check: GPU_CHECK_DRY_RUN=1 runs the same commands at tiny sizes on CPU to check the wiring."
+        exit 0
+    fi
+    missing=$("$PY" -c "
+import importlib.util
+print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m) is None))")
+    if [ -n "$missing" ]; then
+        echo "gpu_check: the trainer needs Python packages this machine lacks: $missing. This script installs"
+        echo "gpu_check: nothing: bring them as wheels and put them on PYTHONPATH (docs/performance.md, gpu_check.sh)."
+        exit 1
+    fi
+    DEVICE=cuda
+    A_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile)
+    B_ARGS=(--flavor 16B --model-override n_layers=4 --dtype bf16 --seq-len 4096 --batch-size 2)
+    B_VARIANT=compile
+    D_VARIANTS=compile_float8
+    C_ARGS=(--flavor proxy_1b --tokens 16384 --dtype bf16)
+    TIMING=(--steps 5 --repeats 2 --warmup 2)
+fi
+
+run() {  # name, command...: stdout+stderr to <name>.log, exit status to <name>.rc
+    local name="$1"
+    shift
+    echo "gpu_check: $name: $*" >&2
+    local start=$SECONDS
+    timeout "$STEP_TIMEOUT" "$@" >"$OUT_DIR/$name.log" 2>&1
+    echo $? >"$OUT_DIR/$name.rc"
+    echo "gpu_check: $name: exit $(cat "$OUT_DIR/$name.rc") after $((SECONDS - start)) s" >&2
+}
+
+run A "$PY" "$ROOT/benchmarks/step_bench.py" "${A_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" \
+    --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/A.json"
+run B "$PY" "$ROOT/benchmarks/step_bench.py" "${B_ARGS[@]}" --variants "$B_VARIANT" "${TIMING[@]}" \
+    --device "$DEVICE" --json "$OUT_DIR/B.json"
+run D "$PY" "$ROOT/benchmarks/step_bench.py" "${B_ARGS[@]}" --variants "$D_VARIANTS" --float8-experts "${TIMING[@]}" \
+    --device "$DEVICE" --json "$OUT_DIR/D.json"
+run C "$PY" "$ROOT/benchmarks/moe_bench.py" "${C_ARGS[@]}" --device "$DEVICE"
+
+"$PY" - "$OUT_DIR" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(name):
+    """The measurement's JSON result, or None when it failed (its .rc / .log say why)."""
+    if (out / f"{name}.rc").read_text().strip() != "0":
+        return None
+    if (out / f"{name}.json").exists():
+        return json.loads((out / f"{name}.json").read_text())
+    text = (out / f"{name}.log").read_text()  # moe_bench prints its JSON first on stdout
+    start = text.index("{")
+    return json.JSONDecoder().raw_decode(text[start:])[0]
+
+
+def last_line(name):
+    lines = [line for line in (out / f"{name}.log").read_text().splitlines() if line.strip()]
+    return lines[-1][:200].replace("|", "/") if lines else "(empty log)"
+
+
+def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+rows = []
+a, b, c, d = load("A"), load("B"), load("C"), load("D")
+if a is None:
+    rows.append(("A step proxy_1b", "failed, see A.log", last_line("A")))
+else:
+    for name, r in a["variants"].items():
+        where = f"{a['flavor']} {a['dtype']} {name} {a['batch_size']}x{a['seq_len']}"
+        rows.append((f"A {where}", "tokens/s", fmt(r["tokens_per_s"], ",.0f")))
+        rows.append((f"A {where}", "MFU %", fmt(r["mfu_pct"], ".1f")))
+        rows.append((f"A {where}", "peak memory MiB", fmt(r["peak_mem_mib"], ".0f")))
+        rows.append((f"A {where}", "estimate / measured peak", fmt(r.get("estimate_vs_measured"), ".3f")))
+        rows.append((f"A {where}", "kernel launches per step", fmt(r.get("kernel_launches"), "d")))
+        rows.append((f"A {where}", "host syncs per step", fmt(r.get("host_syncs"), "d")))
+        rows.append((f"A {where}", "host reads of device values", fmt(r.get("host_reads"), "d")))
+for name, res in (("B", b), ("D", d)):
+    if res is None:
+        rows.append((f"{name} step 16B n_layers=4", f"failed, see {name}.log", last_line(name)))
+        continue
+    shape = f"{res['flavor']} {' '.join(res['model_overrides'])} {res['dtype']} {res['batch_size']}x{res['seq_len']}"
+    for variant, r in res["variants"].items():
+        rows.append((f"{name} {shape} {variant}", "tokens/s", fmt(r["tokens_per_s"], ",.0f")))
+        rows.append((f"{name} {shape} {variant}", "MFU %", fmt(r["mfu_pct"], ".1f")))
+    for variant, why in res["skipped"].items():
+        rows.append((f"{name} {shape} {variant}", "skipped", why))
+float8 = [r for v, r in (d or {}).get("variants", {}).items() if "float8" in v]
+if b is not None and b["variants"] and float8:
+    base = next(iter(b["variants"].values()))["tokens_per_s"]
+    rows.append(("D / B", "float8 speed-up (tokens/s ratio)", fmt(float8[0]["tokens_per_s"] / base, ".3f")))
+if c is None:
+    rows.append(("C moe_bench", "failed, see C.log", last_line("C")))
+else:
+    for r in c["results"]:
+        where = f"C moe_bench {c['flavor']} {c['tokens']} tokens {c['dtype']} {r['variant']}"
+        rows.append((where, "time / dense ideal", fmt(r["ratio_to_ideal"], ".2f")))
+
+device = next((x["device"] for x in (a, b, c, d) if x is not None), "unknown")
+print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")
+print("| measurement | figure | value |")
+print("|---|---|---|")
+for row in rows:
+    print("| " + " | ".join(row) + " |")
+failed = [n for n in "ABCD" if (out / f"{n}.rc").read_text().strip() != "0"]
+if failed:
+    print(f"\nfailed: {', '.join(failed)} (see {', '.join(n + '.log' for n in failed)})")
+sys.exit(1 if failed else 0)
+EOF

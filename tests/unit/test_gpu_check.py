@@ -1,0 +1,39 @@
+"""benchmarks/gpu_check.sh: skips without CUDA, and its commands and table work (dry run on CPU)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+
+
+def _run(tmp_path, **env):
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a CUDA device")
+def test_skips_with_a_clear_message_without_cuda(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device here" in proc.stdout and "GPU_CHECK_DRY_RUN=1" in proc.stdout
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
+    proc = _run(tmp_path, GPU_CHECK_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout[proc.stdout.index("| measurement | figure | value |"):]
+    for figure in ("tokens/s", "MFU %", "estimate / measured peak", "kernel launches per step",
+                   "host syncs per step", "time / dense ideal", "skipped"):
+        assert f"| {figure} |" in table, figure
+    assert "n_layers=2" in table and "failed" not in table
+    a = json.loads((tmp_path / "A.json").read_text())
+    assert a["variants"]["eager"]["kernel_launches"] > 0
+    assert (tmp_path / "traces" / "eager_step0.json").exists()
+    assert "eager_float8" in json.loads((tmp_path / "D.json").read_text())["skipped"]

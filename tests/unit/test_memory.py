@@ -1,0 +1,65 @@
+"""trainer/memory.py: the CUDA terms of the estimate and the refusal of a run that cannot fit."""
+
+import pytest
+import torch
+
+from models.deepseek_v3 import get_flavor
+from trainer.config import ConfigError, load_config
+from trainer.memory import GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
+from trainer.parallel.parallel_dims import ParallelDims
+
+
+def test_cuda_allocator_rounding():
+    assert cuda_block_bytes(1) == 512 and cuda_block_bytes(513) == 1024
+    assert cuda_block_bytes(5 * MiB + 1) == 5 * MiB + 512  # 1-10 MiB: carved from 20 MiB segments
+    assert cuda_block_bytes(11.5 * MiB) == 12 * MiB  # > 10 MiB: a remainder <= 1 MiB stays in the block
+    assert cuda_block_bytes(10.5 * MiB + 1) == 10.5 * MiB + 512  # ... a larger one is split off
+
+
+def test_cuda_terms_of_the_estimate():
+    args = (1, 1, 1, 1, 4096, 1, "none")
+    cpu = estimate("proxy_1b", *args, device_type="cpu")["gib"]
+    cuda = estimate("proxy_1b", *args, device_type="cuda")["gib"]
+    params = estimate("proxy_1b", *args)["params_per_gpu_B"] * 1e9
+    embedding = get_flavor("proxy_1b").vocab_size * get_flavor("proxy_1b").dim
+    assert cuda["bf16_weight_copies"] == pytest.approx((params - embedding) * 2 / GiB)
+    assert cuda["cublas_workspace"] == pytest.approx(32 / 1024) and 0 < cuda["allocator_rounding"] < 0.1
+    assert cpu["bf16_weight_copies"] == cpu["allocator_rounding"] == cpu["cublas_workspace"] == 0
+    assert cuda["total"] > cpu["total"]
+    # fp32 has no compute copies; FSDP sharding replaces them with its unsharded blocks.
+    assert estimate("proxy_1b", *args, mixed_precision="float32")["gib"]["bf16_weight_copies"] == 0
+    assert estimate("proxy_1b", 8, 1, 1, 1, 4096, 1, "none")["gib"]["bf16_weight_copies"] == 0
+    mask = estimate("proxy_1b", *args, block_causal_sdpa=True)["gib"]["attention_mask"]
+    assert mask == pytest.approx(4096 * 4096 * 3 / GiB)
+
+
+def _cfg(*argv):
+    return load_config(["--no-job.print_config", "--training.mixed_precision_param", "float32", *argv])
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_estimate():
+    cfg = _cfg("--training.seq_len", "1000000", "--model.attn_mask_type", "block_causal",
+               "--training.local_batch_size", "1")
+    dims = ParallelDims.from_config(cfg.parallelism, 1, cfg.engram)
+    args = get_flavor("debugmodel")
+    with pytest.raises(ConfigError, match=r"does not fit: estimated \d+\.\d GiB per device > available 16\.0 GiB "
+                                          r"on cpu .*largest term attention_mask"):
+        check_fits(cfg, args, dims, torch.device("cpu"), available=16 * GiB)
+    small = _cfg("--training.seq_len", "64")
+    est = check_fits(small, args, dims, torch.device("cpu"), available=16 * GiB)
+    assert 0 < est["gib"]["total"] < 1
+
+
+def test_available_memory_on_cpu():
+    free, where = available_bytes(torch.device("cpu"))
+    assert free is not None and free > 0 and "CPU memory" in where
+
+
+def test_available_memory_on_cuda_counts_cached_free_blocks(monkeypatch):
+    """The CUDA calls are stubbed: what the check asks of the allocator, not a GPU."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 26 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    free, where = available_bytes(torch.device("cuda", 0))
+    assert free == 14 * GiB and where == "NVIDIA H100 80GB HBM3 (cuda:0)"

@@ -1,0 +1,256 @@
+"""Per-device memory estimate of a DeepSeek-V3 training layout, and the fit check before a run.
+
+Model states follow this trainer's layout: FSDP2 shards non-expert weights over dp_shard x cp;
+tensor parallelism splits attention heads, dense / shared-expert FFNs, embedding and head, while
+`wq_a`, `wkv_a`, norms and the router stay replicated over tp; routed experts are split over ep
+and FSDP-sharded over (dp_shard x cp) / ep, and replicated over tp (docs/parallelism.md). fp32
+master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two fp32 moments: 16 bytes per
+local parameter. Activations are estimates of the tensors autograd saves per token and layer
+(listed in `_layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
+`ac="full"` keeps each block's input plus one block's activations during recompute.
+The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
+during backward while the saved activations are released, so the total holds parameters,
+optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
+(activations + logits + FSDP buffers + bf16 weight copies + the attention mask).
+
+On CUDA three more terms (docs/performance.md "Memory estimate"):
+* bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
+  non-embedding parameter lives through forward and backward (autocast's weight cache, or FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16)`` unsharded parameters at dp 1). With FSDP sharding
+  the unsharded bf16 blocks are the FSDP buffers already counted.
+* the caching allocator's rounding of each parameter-like tensor (parameter, gradient, two
+  moments, bf16 copy): sizes round up to 512 bytes, and a tensor over 10 MiB gets a segment
+  rounded up to 2 MiB that keeps the remainder when it is 1 MiB or less (not split off).
+* the cuBLAS workspace: 32 MiB per stream (``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 on Hopper).
+Not modelled: CUDA context and NCCL buffers (outside torch's allocator), fragmentation between
+steps, temporary buffers inside kernels. Checked against the debug flavor's measured peak on CPU
+(tests/unit/test_step_bench.py, within 15%); on CUDA through benchmarks/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
+from trainer.config import ConfigError
+
+GiB = 1024**3
+ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master, fp32 grads, AdamW m and v
+
+
+def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
+    """Parameters of one block split by how they are laid out: tp-split, tp-replicated, routed experts."""
+    d, h = a.dim, a.n_heads
+    split = h * a.v_head_dim * d + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)  # wo, wkv_b
+    repl = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + 2 * d  # wkv_a, kv_norm, 2 norms
+    if a.q_lora_rank == 0:
+        split += d * h * a.qk_head_dim
+    else:
+        split += a.q_lora_rank * h * a.qk_head_dim
+        repl += d * a.q_lora_rank + a.q_lora_rank
+    experts = 0
+    if moe:
+        m = a.moe
+        repl += m.num_experts * d  # router
+        split += 3 * d * m.num_shared_experts * a.moe_inter_dim
+        experts = m.num_experts * 3 * d * a.moe_inter_dim
+    else:
+        split += 3 * d * a.inter_dim
+    return {"tp_split": split, "tp_replicated": repl, "experts": experts}
+
+
+def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
+    """Bytes saved for backward per *local* token of one block (no checkpointing)."""
+    d, h = a.dim, a.n_heads
+    heads = h / tp
+    attn = (
+        d / tp + d  # attn_norm input (sequence-sharded) and its all-gathered output
+        + (2 * a.q_lora_rank if a.q_lora_rank else 0)  # wq_a out, q_norm out
+        + 2 * heads * a.qk_head_dim  # q before / after the rope concat
+        + 2 * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a out, kv_norm out (+ the gathered copy)
+        + cp * heads * (a.qk_nope_head_dim + a.v_head_dim)  # wkv_b out for all cp ranks' keys
+        + cp * heads * 2 * a.qk_head_dim  # k and zero-padded v for all keys
+        + 2 * heads * a.v_head_dim  # attention output, wo input
+    )
+    if moe:
+        m = a.moe
+        routed = m.top_k * (2 * d + 4 * a.moe_inter_dim)  # dispatched rows, w1/w3 outs, silu, product, expert out
+        shared = d + 4 * m.num_shared_experts * a.moe_inter_dim / tp
+        ffn = d / tp + d + routed + shared + 2 * m.num_experts  # norm in/out, fp32 router scores
+    else:
+        ffn = d / tp + d + 4 * a.inter_dim / tp
+    return (attn + ffn) * act_bytes
+
+
+MiB = 1024**2
+CUBLAS_WORKSPACE_BYTES = 32 * MiB  # per stream: CUBLAS_WORKSPACE_CONFIG default ":4096:8" (8 x 4 MiB)
+_SMALL_ROUND = 512  # CUDA caching allocator: every size rounds up to 512 bytes
+_LARGE_SEGMENT = 2 * MiB  # allocations over 10 MiB get segments rounded up to 2 MiB ...
+_SPLIT_MIN = 1 * MiB  # ... whose remainder is split off only when larger than 1 MiB
+_LARGE_ALLOC = 10 * MiB
+
+
+def cuda_block_bytes(nbytes: float) -> int:
+    """Bytes the CUDA caching allocator books for one fresh allocation of ``nbytes``."""
+    rounded = max(_SMALL_ROUND, math.ceil(nbytes / _SMALL_ROUND) * _SMALL_ROUND)
+    if rounded <= _LARGE_ALLOC:
+        return rounded
+    segment = math.ceil(rounded / _LARGE_SEGMENT) * _LARGE_SEGMENT
+    return segment if segment - rounded <= _SPLIT_MIN else rounded
+
+
+def _block_tensor_numels(a: DeepSeekV3ModelArgs, moe: bool) -> list[int]:
+    """Element counts of one block's parameter tensors, unsharded (for the allocator rounding)."""
+    d, h = a.dim, a.n_heads
+    t = [d, d, d * (a.kv_lora_rank + a.qk_rope_head_dim), a.kv_lora_rank,
+         a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim), h * a.v_head_dim * d]
+    if a.q_lora_rank == 0:
+        t.append(d * h * a.qk_head_dim)
+    else:
+        t += [d * a.q_lora_rank, a.q_lora_rank, a.q_lora_rank * h * a.qk_head_dim]
+    if moe:
+        m = a.moe
+        t += [m.num_experts * d] + [m.num_experts * d * a.moe_inter_dim] * 3
+        t += [d * m.num_shared_experts * a.moe_inter_dim] * 3 if m.num_shared_experts else []
+    else:
+        t += [d * a.inter_dim] * 3
+    return t
+
+
+def estimate(
+    flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
+    mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
+    block_causal_sdpa: bool = False,
+) -> dict:
+    """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
+    trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
+    ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask."""
+    a = model_args or get_flavor(flavor)
+    act_bytes = ACT_BYTES[mixed_precision]
+    if seq_len % (2 * cp) and cp > 1:
+        raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
+    fsdp = dp_shard * cp
+    if fsdp % ep:
+        raise ValueError(f"ep={ep} must divide dp_shard x cp = {fsdp}")
+    efsdp = fsdp // ep
+    n_moe = a.n_layers - a.n_dense_layers
+    kinds = [False] * a.n_dense_layers + [True] * n_moe + [True] * a.mtp_depth
+    blocks = [_block_params(a, moe=k) for k in kinds]
+    embed_head = 2 * a.vocab_size * a.dim
+
+    split = sum(b["tp_split"] for b in blocks) + embed_head + a.mtp_depth * 2 * a.dim * a.dim
+    repl = sum(b["tp_replicated"] for b in blocks) + a.dim + a.mtp_depth * 3 * a.dim
+    experts = sum(b["experts"] for b in blocks)
+    total = split + repl + experts
+    local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
+    states = {k: local * v / GiB for k, v in STATE_BYTES.items()}
+
+    # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
+    # param dtype, and the block being reduced holds its fp32 unsharded gradient. Without
+    # sharding (one data rank) there is no FSDP wrap and no such buffer.
+    biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"])
+    unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep
+    transient = unsharded * (2 * act_bytes + 4) / GiB if fsdp > 1 else 0.0
+
+    tokens = local_batch_size * seq_len / cp  # local tokens per GPU
+    per_layer = [
+        _layer_activation_bytes(a, moe=i >= a.n_dense_layers, tp=tp, cp=cp, act_bytes=act_bytes) * tokens
+        for i in range(a.n_layers + a.mtp_depth)
+    ]
+    if ac == "full":
+        act = len(per_layer) * tokens * a.dim / tp * act_bytes + max(per_layer)
+    else:
+        act = sum(per_layer)
+    # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
+    logits = (1 + a.mtp_depth) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4)
+    # The bool mask and the additive mask sdpa derives from it in the compute dtype.
+    mask = local_batch_size * (seq_len / cp) * seq_len * (1 + act_bytes) if block_causal_sdpa else 0.0
+    activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
+    # At the end of backward, while (nearly) all gradients are live: the embedding's dense
+    # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
+    # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
+    backward_tmp = 2 * a.vocab_size * a.dim / tp * 4 / GiB
+    cuda = device_type == "cuda"
+    embedding_local = a.vocab_size * a.dim / (tp * fsdp)
+    copies = (local - embedding_local) * 2 if cuda and mixed_precision == "bfloat16" and fsdp == 1 else 0.0
+    rounding = 0.0
+    if cuda:
+        scale = local / total  # each tensor's local share, as the layout splits it on average
+        numels = [n for k in kinds for n in _block_tensor_numels(a, k)] + [a.vocab_size * a.dim] * 2 + [a.dim]
+        per_copy = [(4, 4), (2, 1 if copies else 0)]  # (bytes per element, tensors): fp32 param, grad, m, v; bf16 copy
+        rounding = sum(
+            count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes)
+            for n in numels for nbytes, count in per_copy
+        )
+    result = {
+        "flavor": flavor,
+        "layout": {"dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep, "efsdp": efsdp,
+                   "gpus": dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
+                   "mixed_precision": mixed_precision, "device_type": device_type},
+        "params_total_B": total / 1e9,
+        "params_per_gpu_B": local / 1e9,
+        "gib": {
+            **states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations,
+            "bf16_weight_copies": copies / GiB, "allocator_rounding": rounding / GiB,
+            "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
+        },
+    }
+    g = result["gib"]
+    forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
+    g["total"] = g["params"] + g["optimizer"] + g["allocator_rounding"] + g["cublas_workspace"] + max(
+        g["grads"] + g["backward_temporaries"], forward + g["attention_mask"]
+    )
+    return result
+
+
+def available_bytes(device: torch.device) -> tuple[int | None, str]:
+    """Memory a run on ``device`` can still take, and the device's name: free CUDA memory
+    (``torch.cuda.mem_get_info``) plus the blocks torch's caching allocator holds unused, or on
+    CPU the host's MemAvailable shared by the processes of this host (``LOCAL_WORLD_SIZE``).
+    None where the host does not say."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, f"{torch.cuda.get_device_name(device)} ({device})"
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    where = "this host's CPU memory" + (f" shared by {procs} processes" if procs > 1 else "")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // procs, where
+    except OSError:
+        pass
+    return None, where
+
+
+def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device, available: int | None = None) -> dict:
+    """Refuses (ConfigError) a run whose estimated peak exceeds the memory available, before the
+    model is built. Selective / op activation checkpointing are estimated as full (the lower
+    bound), so only a run that cannot fit is refused. Returns the estimate."""
+    t = cfg.training
+    where = str(device)
+    if available is None:
+        available, where = available_bytes(device)
+    ac = "none" if cfg.activation_checkpoint.mode == "none" else "full"
+    est = estimate(
+        cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.context_degree, t.seq_len, t.local_batch_size, ac,
+        mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
+        block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
+    )
+    need = est["gib"]["total"]
+    if available is not None and need * GiB > available:
+        g = est["gib"]
+        biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads"), key=g.get)
+        raise ConfigError(
+            f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
+            f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "
+            f"{cfg.activation_checkpoint.mode}; largest term {biggest} {g[biggest]:.1f} GiB, trainer/memory.py); "
+            "lower training.seq_len or training.local_batch_size, use activation_checkpoint.mode full, or shard "
+            "over more devices"
+        )
+    return est
