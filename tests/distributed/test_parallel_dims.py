@@ -46,7 +46,7 @@ def test_single_process_has_no_meshes():
         (8, dict(cp=2, ep=2, ep_as_cp=True), ["cp must be 1", "--parallelism.ep 4"]),
         (8, dict(ep_as_cp=True), ["ep_as_cp needs parallelism.ep > 1"]),
         (8, dict(tp=0), ["parallelism.tp must be >= 1"]),
-        (8, dict(dp_shard=0), ["dp_shard must be >= 1 or -1"]),
+        (8, dict(dp_shard=0), ["dp_shard must be >= 1, or -1"]),
     ],
 )
 def test_impossible_layouts_say_what_would_fit(world, kw, words):

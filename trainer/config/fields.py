@@ -164,8 +164,22 @@ def _cli_repr(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(str(v) for v in value) or '""'
     return str(value) if value != "" else '""'
+# torchtitan's names of options this trainer spells otherwise; spelling distance alone would
+# suggest the wrong key (expert_parallel_degree is closest to expert_parallel_comm_backend).
+FOREIGN_NAMES = {
+    "expert_parallel_degree": "parallelism.ep",
+    "tensor_parallel_degree": "parallelism.tp",
+    "context_parallel_degree": "parallelism.cp",
+    "data_parallel_shard_degree": "parallelism.dp_shard",
+    "data_parallel_replicate_degree": "parallelism.dp_replicate",
+}
+
+
 def _nearest_key(name: str, sections: dict[str, type]) -> str | None:
     """The valid `section.key` closest to `name`, which may lack or misspell its section."""
+    foreign = FOREIGN_NAMES.get(name.rpartition(".")[2])
+    if foreign is not None:
+        return foreign
     full_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _options(cls)]
     nearest = difflib.get_close_matches(name, full_keys, n=1, cutoff=0.6)
     if nearest:

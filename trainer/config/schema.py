@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from trainer.config.fields import (
+    FOREIGN_NAMES,
     ConfigError,
     Section,
     _choice_problems,
@@ -29,6 +30,8 @@ from trainer.config.fields import (
     _sections,
     _type_name,
 )
+from trainer.config.combinations import combination_problems, combination_warnings
+from trainer.config.layout import degree_problems
 
 
 @dataclass
@@ -301,19 +304,11 @@ class Parallelism(Section):
     )
 
     def problems(self) -> list[str]:
-        return _failed(
-            *(
-                (getattr(self, key) >= 1, f"parallelism.{key} must be >= 1, got {getattr(self, key)}.")
-                for key in ("dp_replicate", "tp", "cp", "ep")
-            ),
+        return degree_problems(self) + _failed(
             (
-                self.dp_shard == -1 or self.dp_shard >= 1,
-                f"parallelism.dp_shard must be >= 1, or -1 to infer it, got {self.dp_shard}.",
-            ),
-            (
-                not self.ep_as_cp or self.ep > 1,
-                f"parallelism.ep_as_cp needs parallelism.ep > 1 (got ep={self.ep}); "
-                f"set --parallelism.ep or drop --parallelism.ep_as_cp.",
+                self.expert_parallel_comm_backend != "deepep",
+                "parallelism.expert_parallel_comm_backend = 'deepep' is not implemented in this trainer; "
+                "use 'all_to_all' (the default).",
             ),
         )
 
@@ -429,8 +424,7 @@ class JobConfig:
             for key, value in table.items():
                 if key not in options:
                     raise ConfigError(
-                        f"{source}: unknown key {section}.{key}"
-                        f"{_did_you_mean(key, list(options), section + '.{}')} "
+                        f"{source}: unknown key {section}.{key}{_key_hint(section, key, options)} "
                         f"Valid keys in [{section}]: {', '.join(options)}."
                     )
                 f, tp = options[key]
@@ -463,5 +457,20 @@ class JobConfig:
         problems = _choice_problems(self)
         for section in _sections(type(self)):
             problems += getattr(self, section).problems()
+        problems += combination_problems(self)
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+    def warnings(self) -> list[str]:
+        """Options the run will not use and legal but suspicious settings, one message each
+        (the trainer logs them at start)."""
+        return combination_warnings(self)
+
+
+def _key_hint(section: str, key: str, options: dict) -> str:
+    foreign = FOREIGN_NAMES.get(key)
+    if foreign is not None:
+        return f"; did you mean {foreign}?"
+    return _did_you_mean(key, list(options), section + ".{}")
