@@ -127,7 +127,9 @@ class Trainer:
         t = cfg.training
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel_dims = ParallelDims.from_job(cfg, world_size)
-        resolve_flavor(cfg)  # a typo in the flavor fails before the run folder exists
+        # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
+        flavor = resolve_flavor(cfg)
+        self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
 
         check_run_folder(cfg)
         self.run_dir = Path(cfg.job.dump_folder)
@@ -161,9 +163,7 @@ class Trainer:
         tokenizer_path = resolve_path(cfg.model.tokenizer_path)
         self.tokenizer = build_tokenizer(tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, self.tokenizer.eos_id)
-        self.parallel_dims.check_shapes(
-            t.seq_len, self.model_args.n_heads, self.model_args.moe.num_experts, self.model_args.vocab_size
-        )
+        self.parallel_dims.check_shapes(t.seq_len, vocab_size=self.model_args.vocab_size)
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)

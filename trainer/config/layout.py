@@ -164,7 +164,8 @@ class Layout:
         ):
             if value is not None and value % degree:
                 problems.append(
-                    f"{name} = {degree} must divide the model's {key} = {value}; pick {name} in {_divisors(value)}"
+                    f"{name} = {degree} must divide the model's {key} = {value}; "
+                    f"pick {name} in {[d for d in _divisors(value) if d <= 64]}"
                 )
         if problems:
             raise LayoutError("; ".join(problems))
