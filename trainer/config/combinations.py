@@ -2,7 +2,7 @@
 
 Audit rule: an option the run would silently ignore is refused when it names data the user wants
 used (a dataset path the chosen dataset does not read), and warned about when it only tunes a
-feature that is switched off (a value other than its default under a disabled switch).
+feature whose switch was left off (a value other than its default under a switch at its default).
 Torch-free, so the pre-launch check runs the same rules.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainer.config.fields import _default
+from trainer.config.fields import _cli_repr, _default
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -51,49 +51,50 @@ def combination_problems(cfg: Any) -> list[str]:
     return problems
 
 
-# (section, switch description, is the switch off?, options it makes meaningless)
+# (switch, is the feature off?, the section's options it makes meaningless; None = all others).
+# Only a switch left at its default warns: the user configured a feature and forgot to turn it on,
+# whereas one turned off on purpose (e.g. --no-validation.enable over a TOML) keeps its settings quietly.
 _GATES = (
-    ("engram", "engram.enable is false", lambda c: not c.engram.enable, None),
-    ("validation", "validation.enable is false", lambda c: not c.validation.enable, None),
+    ("engram.enable", lambda c: not c.engram.enable, None),
     (
-        "checkpoint", "checkpoint.enable is false", lambda c: not c.checkpoint.enable,
+        "checkpoint.enable", lambda c: not c.checkpoint.enable,
         ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only"),
     ),
     (
-        "checkpoint", "checkpoint.last_save_model_only is false",
+        "checkpoint.last_save_model_only",
         lambda c: c.checkpoint.enable and not c.checkpoint.last_save_model_only, ("export_dtype",),
     ),
+    ("checkpoint.initial_load_path", lambda c: not c.checkpoint.initial_load_path, ("initial_load_format",)),
+    ("metrics.enable_wandb", lambda c: not c.metrics.enable_wandb, ("wandb_project", "wandb_mode")),
     (
-        "checkpoint", "checkpoint.initial_load_path is not set",
-        lambda c: not c.checkpoint.initial_load_path, ("initial_load_format",),
-    ),
-    ("metrics", "metrics.enable_wandb is false", lambda c: not c.metrics.enable_wandb, ("wandb_project", "wandb_mode")),
-    (
-        "profiling", "profiling.enable_profiling is false", lambda c: not c.profiling.enable_profiling,
+        "profiling.enable_profiling", lambda c: not c.profiling.enable_profiling,
         ("profile_start_step", "profile_steps", "traces_folder", "profile_memory"),
     ),
-    ("quantize", "quantize.float8 is false", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
-    (
-        "activation_checkpoint", "activation_checkpoint.mode is not 'selective'",
-        lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",),
-    ),
-    ("model", "model.mtp_depth is 0", lambda c: c.model.mtp_depth == 0, ("mtp_loss_weight",)),
+    ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
+    ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
 )
 
-_SWITCHES = {"engram": "enable", "validation": "enable"}
+
+def _value_and_default(cfg: Any, dotted: str) -> tuple[Any, Any]:
+    section, _, key = dotted.partition(".")
+    table = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(table)}
+    return getattr(table, key), _default(fields[key])
 
 
 def combination_warnings(cfg: Any) -> list[str]:
     """Options set to a value the run will not use, and settings that are legal but suspicious."""
     warnings = []
-    for section, why, is_off, keys in _GATES:
-        if not is_off(cfg):
+    for switch, is_off, keys in _GATES:
+        value, default = _value_and_default(cfg, switch)
+        if not is_off(cfg) or value != default:
             continue
-        table = getattr(cfg, section)
-        fields = {f.name: f for f in dataclasses.fields(table)}
-        for key in keys or [k for k in fields if k != _SWITCHES.get(section)]:
-            if getattr(table, key) != _default(fields[key]):
-                warnings.append(f"{section}.{key} = {getattr(table, key)!r} is ignored: {why}.")
+        section, _, switch_key = switch.partition(".")
+        names = keys or [f.name for f in dataclasses.fields(getattr(cfg, section)) if f.name != switch_key]
+        for key in names:
+            set_to, key_default = _value_and_default(cfg, f"{section}.{key}")
+            if set_to != key_default:
+                warnings.append(f"{section}.{key} = {_cli_repr(set_to)} is ignored: {switch} is {_cli_repr(value)}.")
     t = cfg.training
     if cfg.lr_scheduler.warmup_steps > t.steps:
         warnings.append(
