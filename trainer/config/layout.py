@@ -78,16 +78,16 @@ class Layout:
         if self.dp_shard == -1:
             if w % others:
                 raise LayoutError(
-                    f"cannot infer dp_shard: dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x "
-                    f"{self.tp} = {others} does not divide the world size {w}; pick degrees whose product "
-                    f"divides {w} (divisors: {_divisors(w)})"
+                    f"cannot infer parallelism.dp_shard: dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x "
+                    f"{self.tp} = {others} does not divide the world size {w} (NNODES x NGPU); pick parallelism degrees "
+                    f"whose product divides {w} (divisors: {_divisors(w)})"
                 )
             self.dp_shard = w // others
         product = others * self.dp_shard
         if product != w:
             fit = f"dp_shard = {w // others}" if w % others == 0 else f"degrees whose product is {w}"
             raise LayoutError(
-                f"dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
+                f"parallelism dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
                 f"{self.tp} = {product} != world size {w}; use {fit} (or dp_shard = -1 to infer it)"
             )
         block = self.dp_shard * self.cp
