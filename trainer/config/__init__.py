@@ -1,6 +1,8 @@
 """Job configuration, torch-free so that `--help` and config errors come back instantly.
 
+- `fields`: what a field is (declaration, types, conversion, did-you-mean);
 - `schema`: one dataclass per TOML section (fields, defaults, one-line docs, per-section checks);
+- `combinations`: checks across sections (inputs that would be ignored: refused or warned);
 - `loader`: TOML file + command line -> `JobConfig` (CLI > TOML > defaults), `--help`;
 - `layout`: the parallel degrees and their arithmetic against the world size (also the base of
   `ParallelDims`);
