@@ -66,12 +66,13 @@ torchrun \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@" \
-  2> >(while IFS= read -r line; do
+  2> >(while IFS= read -r line || [[ -n "$line" ]]; do
          if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
        done)
 status=$?
+filter=$!
 set -e
-wait  # for the stderr filter to flush
+wait "$filter" 2>/dev/null || true  # the stderr filter has written everything
 shopt -s nullglob
 errors=("$TRAINER_ERROR_DIR"/rank*.err)
 if (( ${#errors[@]} )); then
