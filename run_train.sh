@@ -61,18 +61,20 @@ LAUNCHER_LOG="$TRAINER_ERROR_DIR/launcher.log"
 export TRAINER_ERROR_DIR
 trap 'rm -rf "$TRAINER_ERROR_DIR"' EXIT
 set +e
-torchrun \
-  --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" \
-  --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
-  -m trainer.train --job.config_file "$CONFIG_FILE" "$@" \
-  2> >(while IFS= read -r line || [[ -n "$line" ]]; do
-         if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
-       done)
-status=$?
-filter=$!
+# stdout goes straight through (fd 3); stderr passes the filter: the workers' "[rankN]:" lines go
+# on to the terminal, the launcher's own lines to LAUNCHER_LOG.
+{
+  torchrun \
+    --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" \
+    --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
+    --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+    -m trainer.train --job.config_file "$CONFIG_FILE" "$@" 2>&1 1>&3 3>&- |
+    while IFS= read -r line || [[ -n "$line" ]]; do
+      if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
+    done
+  status=${PIPESTATUS[0]}
+} 3>&1
 set -e
-wait "$filter" 2>/dev/null || true  # the stderr filter has written everything
 shopt -s nullglob
 errors=("$TRAINER_ERROR_DIR"/rank*.err)
 if (( ${#errors[@]} )); then
