@@ -20,6 +20,7 @@ MESH_NAMES = (
     "sparse", "context",
 )
 
+
 class LayoutError(ConfigError):
     """Degrees that do not fit the world size or the model (found before any process-group work)."""
 
@@ -53,6 +54,9 @@ def degree_problems(p) -> list[str]:
 
 @dataclass
 class Layout:
+    """Validated degrees (``dp_shard = -1`` and ``engram = -1`` resolved) and the degrees derived
+    from them; raises LayoutError on construction when they do not fit ``world_size``."""
+
     dp_replicate: int
     dp_shard: int
     cp: int
