@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.config import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,7 +34,7 @@ def select_device(requested: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise ConfigError(
                 "training.device = 'cuda' but no CUDA device is visible; use --training.device cpu "
                 "(or auto) to train on the CPU"
             )

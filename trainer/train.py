@@ -31,6 +31,7 @@ from models.engram import EngramArgs, NgramHasher, build_token_compression, engr
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.memory import check_fits
+from trainer.config.check import check_run_folder
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
@@ -55,7 +56,7 @@ from trainer.parallel.distributed import (
 from trainer.parallel.expert_parallel import init_expert_weights
 from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
 from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
+from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
 from trainer.parallel.parallelize import (
     build_reduce_counts,
@@ -75,22 +76,6 @@ from trainer.validate import Validator
 logger = logging.getLogger("trainer")
 
 MODEL_NAMES = ("deepseek_v3",)
-
-
-def check_unavailable_features(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Validates the parallel layout against the world size (before any process-group work)
-    and fails up front on options that parse but whose implementation has not landed yet."""
-    p = cfg.parallelism
-    try:
-        dims = ParallelDims.from_config(p, world_size, cfg.engram)
-    except ParallelDimsError as e:
-        raise ConfigError(f"[parallelism] {e}") from None
-    if p.expert_parallel_comm_backend != "all_to_all" and dims.ep_enabled:
-        raise ConfigError(
-            f"parallelism.expert_parallel_comm_backend = {p.expert_parallel_comm_backend!r} is not available yet; "
-            "use 'all_to_all'"
-        )
-    return dims
 
 
 def resolve_flavor(cfg: JobConfig) -> DeepSeekV3ModelArgs:
@@ -143,9 +128,12 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.parallel_dims = check_unavailable_features(cfg, world_size)
-        resolve_flavor(cfg)  # a typo in the flavor fails before the run folder exists
+        self.parallel_dims = ParallelDims.from_job(cfg, world_size)
+        # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
+        flavor = resolve_flavor(cfg)
+        self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
 
+        check_run_folder(cfg)
         self.run_dir = Path(cfg.job.dump_folder)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _setup_logging(self.run_dir / "train.log")
@@ -154,6 +142,8 @@ class Trainer:
         init_distributed(self.device)
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
+        for warning in cfg.warnings() if is_rank0() else ():
+            logger.warning("config warning: %s", warning)
         if self.device.type == "cpu" and t.cpu_keep_freed_memory:
             if keep_freed_host_memory():
                 logger.info("host memory: freed blocks are kept for reuse (training.cpu_keep_freed_memory)")
@@ -169,18 +159,13 @@ class Trainer:
             )
         set_seed_and_determinism(t.seed, t.deterministic)
 
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dp_world
-        if global_batch % (t.local_batch_size * self.dp_world):
-            raise ConfigError(
-                f"training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
-                f"data-parallel degree = {t.local_batch_size} x {self.dp_world}; pick a multiple of "
-                f"{t.local_batch_size * self.dp_world}"
-            )
-        self.grad_accum_steps = global_batch // (t.local_batch_size * self.dp_world)
+        self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
+        global_batch = self.grad_accum_steps * t.local_batch_size * self.dp_world
 
         tokenizer_path = resolve_path(cfg.model.tokenizer_path)
         self.tokenizer = build_tokenizer(tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, self.tokenizer.eos_id)
+        self.parallel_dims.check_shapes(t.seq_len, vocab_size=self.model_args.vocab_size)
         check_fits(cfg, self.model_args, self.parallel_dims, self.device)  # before a build that could not fit
 
         with torch.device("meta"):
@@ -556,17 +541,30 @@ def _setup_logging(log_file: Path) -> None:
         root.addHandler(handler)
 
 
+def report_user_error(message: str) -> int:
+    """Shows a user mistake as one line and returns exit code 2.
+
+    Under run_train.sh's torchrun (TRAINER_ERROR_DIR set) the line goes to a file per rank, which
+    the script prints once the launcher is done: every failing rank's line reaches the user, not
+    only the logged ranks', and without the launcher's own traceback.
+    """
+    error_dir, rank = os.environ.get("TRAINER_ERROR_DIR"), os.environ.get("RANK")
+    if error_dir and rank is not None:
+        Path(error_dir, f"rank{rank}.err").write_text(message + "\n", encoding="utf-8")
+    else:
+        print(message, file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as e:
-        # Bad paths or bad data options detected while building the run: say so plainly.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_user_error(f"config error: {e}")
+    except (OSError, ValueError) as e:
+        # Bad paths, files or data options found while building the run: one line, no traceback.
+        return report_user_error("error: " + " ".join(str(e).split()))
     try:
         trainer.train()
     except KeyboardInterrupt:

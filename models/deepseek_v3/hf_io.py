@@ -85,13 +85,16 @@ def read_hf_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> 
     router bias (`FP32_SUFFIXES`), which is read as fp32. The whole
     checkpoint is held in memory: fine up to tens of GB; a 671B import wants a machine with the RAM.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     raw: dict[str, torch.Tensor] = {}
     for path in list_safetensors_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                raw[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    raw[key] = f.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
     out: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
         if key.endswith(SCALE_SUFFIX):

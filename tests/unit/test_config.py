@@ -464,7 +464,7 @@ def customised() -> JobConfig:
     return load_config([
         "--training.steps", "12", "--training.compile", "--no-validation.enable",
         "--optimizer.lr", "1e-3", "--lr_scheduler.decay_ratio", "0.25",
-        "--training.dataset_path", "/data/x", "--job.description", "round trip",
+        "--training.dataset", "json", "--training.dataset_path", "/data/x", "--job.description", "round trip",
         "--parallelism.ep", "2", "--parallelism.ep_as_cp",
     ])
 

@@ -239,5 +239,5 @@ def test_clear_errors(tok, tmp_path):
     with pytest.raises(ValueError, match="fewer than seq_len"):
         next(loader(tok, tmp_path / "few.jsonl", seq_len=4096))
 
-    with pytest.raises(RuntimeError, match=r"could not load dataset 'someone/no-such-dataset'.*Offline.*dataset_path"):
+    with pytest.raises(ValueError, match=r"could not load dataset 'someone/no-such-dataset'.*Offline.*dataset_path"):
         build_dataloader(tokenizer=tok, dataset="someone/no-such-dataset", dataset_path=None, seq_len=8, batch_size=1)

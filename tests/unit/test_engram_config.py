@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.train import build_model_args, check_unavailable_features
+from trainer.parallel.parallel_dims import ParallelDims
+from trainer.train import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,6 +27,6 @@ def test_engram_config_errors():
     # The degree is checked against the layout before any process-group work.
     sharded = ["--config", str(REPO / "train_configs/debug_engram.toml"), "--engram.embedding_parallel_degree"]
     with pytest.raises(ConfigError, match=r"= 3 must divide .* = 4 .*pick one of \[1, 2, 4\]"):
-        check_unavailable_features(load_config([*sharded, "3"]), world_size=4)
-    assert check_unavailable_features(load_config([*sharded, "-1"]), world_size=4).engram == 4
-    assert check_unavailable_features(load_config([*sharded, "-1", "--no-engram.enable"]), world_size=4).engram == 1
+        ParallelDims.from_job(load_config([*sharded, "3"]), world_size=4)
+    assert ParallelDims.from_job(load_config([*sharded, "-1"]), world_size=4).engram == 4
+    assert ParallelDims.from_job(load_config([*sharded, "-1", "--no-engram.enable"]), world_size=4).engram == 1

@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from trainer.runtime import select_device
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,3 +54,11 @@ def test_steps_reuse_freed_memory_without_page_faults():
     # Kept: steady-state steps reuse freed blocks; an occasional step still grows the heap by one
     # block (raising only the mmap threshold, without the trim one, measured ~3 blocks here).
     assert kept < 2.5 * block_pages, (default, kept)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_is_a_config_error():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="training.device = 'cuda' but no CUDA device is visible; use --training.device cpu"):
+        select_device("cuda")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import huggingface_hub
 import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
@@ -356,7 +357,14 @@ def _load_documents(
     if dataset in ("json", "text", "parquet", "auto"):
         builder, files = _resolve_local_files(dataset, dataset_path)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        data = datasets.load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kwargs)
+        try:
+            data = datasets.load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kwargs)
+        except datasets.exceptions.DatasetGenerationError as e:
+            cause = e.__cause__ or e
+            raise ValueError(
+                f"{dataset_path} cannot be read as {builder} ({type(cause).__name__}: {cause}); "
+                f"fix the file or pick its format with --training.dataset json/text/parquet"
+            ) from None
         return data, split, f"{builder} dataset {dataset_path}"
     return _load_hub(dataset, dataset_path, split, streaming=True if streaming is None else streaming)
 
@@ -365,10 +373,13 @@ def _load_hub(
     name: str, config: str | None, split: str, *, streaming: bool
 ) -> tuple[datasets.Dataset | datasets.IterableDataset, str | None, str]:
     try:
+        if not datasets.config.HF_HUB_OFFLINE:
+            # One request first: load_dataset retries an unreachable hub or a misspelt name for ~30 s.
+            huggingface_hub.HfApi().dataset_info(name, timeout=10)
         splits = datasets.load_dataset(name, config, streaming=streaming)
     except Exception as e:  # DatasetNotFoundError, ConnectionError, FileNotFoundError, ... all mean the same here
         offline = " Offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)." if datasets.config.HF_HUB_OFFLINE else ""
-        raise RuntimeError(
+        raise ValueError(
             f"could not load dataset {name!r}{f' (config {config!r})' if config else ''} from the Hugging Face "
             f"Hub: {type(e).__name__}: {e}.{offline} To use local data instead, pass dataset='json', 'text', "
             "'parquet' or 'auto' with dataset_path=<file, glob or directory>, or dataset='shakespeare' for "

@@ -74,7 +74,11 @@ def byte_level_to_bytes(token: str) -> bytes:
 def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
     """Parse a ``.tiktoken`` file: one ``base64(token) rank`` pair per line."""
     ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(Path(path).read_text(encoding="ascii").splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a .tiktoken file ('base64(token) rank' lines): byte {e.start} is not ASCII") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -159,7 +163,10 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer.json not found: {path}")
-        spec = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            spec = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+            raise ValueError(f"{path} is not a HF tokenizer.json: {e}") from None
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
             raise ValueError(f"{path}: only BPE models can be converted, got model type {model.get('type')!r}")

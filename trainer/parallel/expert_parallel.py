@@ -35,9 +35,6 @@ from models.moe import MoE
 from models.moe.dispatcher import TokenDispatcher
 from models.moe.experts import GroupedExperts
 
-EP_COMM_BACKENDS = ("all_to_all", "deepep")
-
-
 class _A2AContext(NamedTuple):
     unsort: torch.Tensor  # [T * K] position of each (token, choice) in the sorted send rows
     top_scores: torch.Tensor  # [T, K] fp32 gate values
@@ -116,28 +113,6 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # Same rounding as LocalTokenDispatcher: fp32 product, one cast, K-sum.
         weighted = (per_choice.float() * ctx.top_scores.unsqueeze(-1)).to(routed_out.dtype)
         return weighted.sum(dim=1)
-
-
-def check_ep_comm_backend(backend: str, device_type: str) -> None:
-    """Fails with a clear message for a backend that cannot run here."""
-    if backend not in EP_COMM_BACKENDS:
-        raise ValueError(
-            f"parallelism.expert_parallel_comm_backend must be one of {EP_COMM_BACKENDS}, got {backend!r}"
-        )
-    if backend == "deepep":
-        problems = []
-        if device_type != "cuda":
-            problems.append("it needs CUDA devices (this run is on " + device_type + ")")
-        try:
-            import deep_ep  # noqa: F401
-        except ImportError:
-            problems.append("the deep_ep package is not installed (https://github.com/deepseek-ai/DeepEP)")
-        problems.append("and the DeepEP dispatcher is not implemented in this trainer yet")
-        raise ValueError(
-            "parallelism.expert_parallel_comm_backend = 'deepep' cannot run: "
-            + "; ".join(problems)
-            + "; use 'all_to_all'"
-        )
 
 
 class ExpertParallelGroupedExperts(GroupedExperts):

@@ -1,4 +1,5 @@
-"""Parallel degrees, their validation, and every named device mesh of a run.
+"""Every named device mesh of a run, built on a validated `Layout` (trainer/config/layout.py,
+where the degrees, their checks and the rank layout are defined).
 
 API (the only way other code gets process groups):
 
@@ -51,186 +52,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.config.layout import Layout, LayoutError
 
-class ParallelDimsError(ValueError):
-    """A layout whose degrees do not fit the world size (raised before any process-group work)."""
-
-
-# Meshes built for every multi-process layout (the engram ones are named by the config).
-_MESH_NAMES = (
-    "world", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
-    "sparse", "context",
-)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# The name callers catch.
+ParallelDimsError = LayoutError
 
 
 @dataclass
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
-    ep_as_cp: bool
-    world_size: int
-    engram: int = 1
-    engram_mesh_name: str = "engram"
+class ParallelDims(Layout):
+    """A validated `Layout` (every degree check is there) that also builds the named meshes."""
+
     _meshes: dict = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._validate()
-
-    # ----------------------------------------------------------------- validation
-    def _validate(self) -> None:
-        w = self.world_size
-        if w < 1:
-            raise ParallelDimsError(f"world_size must be >= 1, got {w}")
-        for name in ("dp_replicate", "cp", "tp", "ep"):
-            if getattr(self, name) < 1:
-                raise ParallelDimsError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ParallelDimsError(f"parallelism.dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
-        if self.ep_as_cp:
-            if self.cp != 1:
-                raise ParallelDimsError(
-                    f"parallelism.ep_as_cp uses the expert dim as the context dim, so parallelism.cp "
-                    f"must be 1 (got cp={self.cp}); set --parallelism.cp 1 and shard the sequence "
-                    f"with --parallelism.ep {self.ep * self.cp}"
-                )
-            if self.ep < 2:
-                raise ParallelDimsError(f"parallelism.ep_as_cp needs parallelism.ep > 1, got ep={self.ep}")
-        others = self.dp_replicate * self.cp * self.tp
-        if self.dp_shard == -1:
-            if w % others:
-                raise ParallelDimsError(
-                    f"cannot infer dp_shard: dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x "
-                    f"{self.tp} = {others} does not divide the world size {w}; pick degrees whose product "
-                    f"divides {w} (divisors: {_divisors(w)})"
-                )
-            self.dp_shard = w // others
-        product = others * self.dp_shard
-        if product != w:
-            fit = f"dp_shard = {w // others}" if w % others == 0 else f"degrees whose product is {w}"
-            raise ParallelDimsError(
-                f"dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
-                f"{self.tp} = {product} != world size {w}; use {fit} (or dp_shard = -1 to infer it)"
-            )
-        block = self.dp_shard * self.cp
-        if self.ep > 1 and block % self.ep:
-            raise ParallelDimsError(
-                f"parallelism.ep = {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = {block} "
-                f"(expert parallelism borrows those ranks); pick ep in {_divisors(block)}"
-            )
-        self._validate_engram()
-
-    def _validate_engram(self) -> None:
-        """The Engram table is split over ranks that see different tokens (dp_replicate x
-        dp_shard x cp); the degree must divide their number. -1 = all of them."""
-        tokens = self.loss_degree
-        if self.engram == -1:
-            self.engram = tokens
-        where = (
-            f"the ranks that see different tokens: dp_replicate x dp_shard x cp = {self.dp_replicate} x "
-            f"{self.dp_shard} x {self.cp} = {tokens} (tensor-parallel ranks share tokens)"
-        )
-        if self.engram < 1 or tokens % self.engram:
-            raise ParallelDimsError(
-                f"engram.embedding_parallel_degree = {self.engram} must divide {where}; pick one of "
-                f"{_divisors(tokens)}, or -1 for all {tokens}"
-            )
-        if self.engram > 1 and self.engram_mesh_name in _MESH_NAMES:
-            raise ParallelDimsError(
-                f"engram.mesh_name = {self.engram_mesh_name!r} is already a mesh of the layout; "
-                "pick another name (default 'engram')"
-            )
-
-    # ----------------------------------------------------------------- degrees
-    @property
-    def efsdp(self) -> int:
-        """Expert FSDP degree: dp_shard x cp / ep."""
-        return self.dp_shard * self.cp // self.ep
-
-    @property
-    def fsdp_degree(self) -> int:
-        return self.dp_shard * self.cp
-
-    @property
-    def dp_degree(self) -> int:
-        """Ranks that read different samples (the data loader's world size)."""
-        if self.ep_as_cp:
-            return self.dp_replicate * self.efsdp
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def loss_degree(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp
-
-    @property
-    def context_degree(self) -> int:
-        """How many ranks split one sample's sequence."""
-        return self.ep if self.ep_as_cp else self.cp
-
-    @property
-    def context_mesh_name(self) -> str:
-        return "ep" if self.ep_as_cp else "cp"
-
-    @property
-    def engram_enabled(self) -> bool:
-        """Engram tables are row-sharded (over the ``engram_mesh_name`` mesh)."""
-        return self.engram > 1
-
-    @property
-    def engram_replicate_mesh_name(self) -> str:
-        return self.engram_mesh_name + "_replicate"
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_degree > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """FSDP shards parameters whenever dp_shard x cp > 1 (cp ranks share the weights)."""
-        return self.fsdp_degree > 1
-
-    @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.fsdp_enabled
-
-    @property
-    def data_parallel_enabled(self) -> bool:
-        """Any replication of weights (gradients must be reduced)."""
-        return self.dp_replicate > 1 or self.fsdp_enabled
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def context_enabled(self) -> bool:
-        return self.context_degree > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def loss_enabled(self) -> bool:
-        return self.loss_degree > 1
 
     # ----------------------------------------------------------------- meshes
     def build_meshes(self, device_type: str) -> None:
@@ -318,28 +150,3 @@ class ParallelDims:
     @property
     def meshes_built(self) -> bool:
         return bool(self._meshes)
-
-    def describe(self) -> str:
-        parts = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
-        if self.ep_as_cp:
-            parts.append("ep_as_cp")
-        return f"world size {self.world_size} = " + " x ".join(parts[:4]) + " | " + ", ".join(parts[4:]) + (
-            f" | data-parallel {self.dp_degree}, fsdp {self.fsdp_degree}, efsdp {self.efsdp}"
-        ) + (f", engram {self.engram}" if self.engram_enabled else "")
-
-    @classmethod
-    def from_config(cls, parallelism, world_size: int, engram=None) -> ParallelDims:
-        """From the ``[parallelism]`` section (and ``[engram]``, when enabled, for its table split)."""
-        p = parallelism
-        use_engram = engram is not None and engram.enable
-        return cls(
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            cp=p.cp,
-            tp=p.tp,
-            ep=p.ep,
-            ep_as_cp=p.ep_as_cp,
-            world_size=world_size,
-            engram=engram.embedding_parallel_degree if use_engram else 1,
-            engram_mesh_name=engram.mesh_name if use_engram else "engram",
-        )

@@ -28,7 +28,7 @@ from trainer.parallel.engram_parallel import (
     table_row_ranges,
     tables_hidden_from_fsdp,
 )
-from trainer.parallel.expert_parallel import apply_expert_parallel, check_ep_comm_backend
+from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
@@ -57,7 +57,6 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device
 
     ac = cfg.activation_checkpoint
     if dims.ep_enabled:
-        check_ep_comm_backend(p.expert_parallel_comm_backend, device_type)
         apply_expert_parallel(model, dims.mesh("ep"))
 
     if dims.context_enabled:

@@ -1,57 +1,37 @@
-"""Job configuration: one dataclass per TOML section, a TOML loader, CLI overrides and --help.
+"""The configuration schema: one dataclass per TOML section, each field with its default and the
+one-line doc that is also its `--help` text (`metadata["help"]`; enums list `metadata["choices"]`).
 
-Precedence is CLI > TOML > defaults. Every field carries its `--help` text in
-`metadata["help"]` and, where the value is an enum, its allowed values in
-`metadata["choices"]`. Adding a section is one new `Section` dataclass plus one line in `JobConfig`;
-loading, overriding, validation (types, choices, the section's `problems()`), help and TOML
-export discover it.
-
-Kept free of torch so that `--help` and config errors come back instantly.
+Adding a section is one new `Section` dataclass plus one line in `JobConfig`; loading, overriding,
+validation (types, choices, the section's `problems()`), help and TOML export discover it.
+Torch-free, so `--help` and config errors come back instantly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 import tomli_w
 
-
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; the message names the key and the fix."""
-
-
-def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": help}
-    if choices is not None:
-        metadata["choices"] = choices
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _failed(*checks: tuple[bool, str]) -> list[str]:
-    return [message for ok, message in checks if not ok]
-
-
-@dataclass
-class Section:
-    """Base of every TOML section. Types and choices are checked generically; a section with
-    further constraints overrides problems() to return one message per violation."""
-
-    def problems(self) -> list[str]:
-        return []
+from trainer.config.fields import (
+    FOREIGN_NAMES,
+    ConfigError,
+    Section,
+    _choice_problems,
+    _choices_hint,
+    _did_you_mean,
+    _failed,
+    _field,
+    _from_toml,
+    _nearest_key,
+    _options,
+    _sections,
+    _type_name,
+)
+from trainer.config.combinations import combination_problems, combination_warnings
+from trainer.config.layout import degree_problems
 
 
 @dataclass
@@ -329,19 +309,11 @@ class Parallelism(Section):
     )
 
     def problems(self) -> list[str]:
-        return _failed(
-            *(
-                (getattr(self, key) >= 1, f"parallelism.{key} must be >= 1, got {getattr(self, key)}.")
-                for key in ("dp_replicate", "tp", "cp", "ep")
-            ),
+        return degree_problems(self) + _failed(
             (
-                self.dp_shard == -1 or self.dp_shard >= 1,
-                f"parallelism.dp_shard must be >= 1, or -1 to infer it, got {self.dp_shard}.",
-            ),
-            (
-                not self.ep_as_cp or self.ep > 1,
-                f"parallelism.ep_as_cp needs parallelism.ep > 1 (got ep={self.ep}); "
-                f"set --parallelism.ep or drop --parallelism.ep_as_cp.",
+                self.expert_parallel_comm_backend != "deepep",
+                "parallelism.expert_parallel_comm_backend = 'deepep' is not implemented in this trainer; "
+                "use 'all_to_all' (the default).",
             ),
         )
 
@@ -457,8 +429,7 @@ class JobConfig:
             for key, value in table.items():
                 if key not in options:
                     raise ConfigError(
-                        f"{source}: unknown key {section}.{key}"
-                        f"{_did_you_mean(key, list(options), section + '.{}')} "
+                        f"{source}: unknown key {section}.{key}{_key_hint(section, key, options)} "
                         f"Valid keys in [{section}]: {', '.join(options)}."
                     )
                 f, tp = options[key]
@@ -491,273 +462,20 @@ class JobConfig:
         problems = _choice_problems(self)
         for section in _sections(type(self)):
             problems += getattr(self, section).problems()
+        problems += combination_problems(self)
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
-
-def load_config(argv: list[str] | None = None, config_cls: type[JobConfig] = JobConfig) -> JobConfig:
-    """Defaults, then the TOML named by --job.config_file/--config, then the other CLI options."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(format_help(config_cls))
-        raise SystemExit(0)
-    overrides = _parse_cli(argv, config_cls)
-    config_file = None
-    for section, key, value in overrides:
-        if (section, key) == ("job", "config_file"):
-            config_file = value
-    cfg = config_cls.from_dict(_read_toml(config_file), source=config_file) if config_file else config_cls()
-    for section, key, value in overrides:
-        setattr(getattr(cfg, section), key, value)
-    cfg.validate()
-    return cfg
+    def warnings(self) -> list[str]:
+        """Options the run will not use and legal but suspicious settings, one message each
+        (the trainer logs them at start)."""
+        return combination_warnings(self)
 
 
-def format_help(config_cls: type[JobConfig] = JobConfig) -> str:
-    lines = [
-        "usage: python -m trainer.train [--config FILE.toml] [--section.key VALUE | --section.key=VALUE ...]",
-        "",
-        "Precedence: command line > TOML file > defaults. Booleans: --x.y, --x.y=false, --no-x.y.",
-        "Lists are comma-separated; options that accept none take none or null.",
-    ]
-    for section, section_cls in _sections(config_cls).items():
-        lines += ["", f"[{section}]"]
-        for key, (f, tp) in _options(section_cls).items():
-            option = f"--{section}.{key}"
-            if _base_type(tp) is bool:
-                option += f", --no-{section}.{key}"
-            kind = "{" + ",".join(f.metadata["choices"]) + "}" if "choices" in f.metadata else _type_name(tp)
-            lines.append(f"  {option}  {kind}  (default: {_cli_repr(_default(f))})")
-            lines.append(f"      {f.metadata['help']}")
-    return "\n".join(lines)
-
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-_NONE = ("none", "null")
-
-
-def _sections(config_cls: type) -> dict[str, type]:
-    hints = typing.get_type_hints(config_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(config_cls)}
-
-
-def _options(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(section_cls)
-    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
-
-
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def _split_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != 1:
-            raise TypeError(f"config field type {tp} is not supported: only X | None unions are")
-        return args[0], True
-    return tp, False
-
-
-def _base_type(tp: Any) -> Any:
-    return _split_optional(tp)[0]
-
-
-def _type_name(tp: Any) -> str:
-    base, optional = _split_optional(tp)
-    if typing.get_origin(base) is list:
-        name = f"list[{typing.get_args(base)[0].__name__}]"
-    else:
-        name = base.__name__
-    return f"{name} or none" if optional else name
-
-
-def _scalar_from_toml(value: Any, tp: type) -> Any:
-    # bool is a subclass of int in Python but never a number in a config file.
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, str):
-        return value
-    if tp not in (bool, int, float, str):
-        raise TypeError(f"config field type {tp} is not supported")
-    raise ValueError(value)
-
-
-def _from_toml(value: Any, tp: Any) -> Any:
-    base, optional = _split_optional(tp)
-    # TOML itself never yields None, but to_dict() output does.
-    if optional and value is None:
-        return None
-    if typing.get_origin(base) is list:
-        if not isinstance(value, list):
-            raise ValueError(value)
-        (elem,) = typing.get_args(base)
-        return [_scalar_from_toml(v, elem) for v in value]
-    return _scalar_from_toml(value, base)
-
-
-def _scalar_from_cli(raw: str, tp: type) -> Any:
-    if tp is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ValueError(raw)
-    if tp in (int, float):
-        return tp(raw)
-    if tp is str:
-        return raw
-    raise TypeError(f"config field type {tp} is not supported")
-
-
-def _from_cli(raw: str, tp: Any) -> Any:
-    base, optional = _split_optional(tp)
-    if optional and raw.strip().lower() in _NONE:
-        return None
-    if typing.get_origin(base) is list:
-        (elem,) = typing.get_args(base)
-        return [_scalar_from_cli(item.strip(), elem) for item in raw.split(",")] if raw.strip() else []
-    return _scalar_from_cli(raw, base)
-
-
-def _parse_cli(argv: list[str], config_cls: type[JobConfig]) -> list[tuple[str, str, Any]]:
-    """Turn argv into converted (section, key, value) overrides, in command-line order."""
-    sections = _sections(config_cls)
-    overrides = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        i += 1
-        if not token.startswith("--"):
-            raise ConfigError(
-                f"unexpected argument {token!r}: options look like --section.key VALUE (see --help)."
-            )
-        name, has_inline, inline = token[2:].partition("=")
-        negated = name.startswith("no-")
-        if negated:
-            name = name[3:]
-        if name == "config":
-            name = "job.config_file"
-        section, _, key = name.partition(".")
-        if section not in sections or key not in _options(sections[section]):
-            raise ConfigError(_unknown_option(token.partition("=")[0], name, sections))
-        f, tp = _options(sections[section])[key]
-        option = f"--{section}.{key}"
-        is_bool = _base_type(tp) is bool
-        if negated:
-            if not is_bool:
-                raise ConfigError(
-                    f"--no-{name}: only boolean options can be negated; {option} is {_type_name(tp)}, "
-                    f"pass {option} VALUE instead."
-                )
-            if has_inline:
-                raise ConfigError(f"--no-{name} takes no value; use {option}={inline} or --no-{name} alone.")
-            overrides.append((section, key, False))
-            continue
-        if has_inline:
-            raw = inline
-        elif is_bool:
-            # A bare flag means true; a following boolean word is taken as its value.
-            if i < len(argv) and argv[i].lower() in _TRUE + _FALSE:
-                raw = argv[i]
-                i += 1
-            else:
-                raw = "true"
-        elif i >= len(argv) or argv[i].startswith("--"):
-            raise ConfigError(
-                f"{option} needs a value ({_type_name(tp)}{_choices_hint(f)}) but none was given; "
-                f"use {option} VALUE or {option}=VALUE."
-            )
-        else:
-            raw = argv[i]
-            i += 1
-        try:
-            value = _from_cli(raw, tp)
-        except ValueError:
-            raise ConfigError(f"{option} must be {_type_name(tp)}{_choices_hint(f)}, got {raw!r}.") from None
-        overrides.append((section, key, value))
-    return overrides
-
-
-def _nearest_key(name: str, sections: dict[str, type]) -> str | None:
-    """The valid `section.key` closest to `name`, which may lack or misspell its section."""
-    full_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _options(cls)]
-    nearest = difflib.get_close_matches(name, full_keys, n=1, cutoff=0.6)
-    if nearest:
-        return nearest[0]
-    by_key: dict[str, str] = {}
-    for full in full_keys:
-        by_key.setdefault(full.partition(".")[2], full)
-    close = difflib.get_close_matches(name.rpartition(".")[2], list(by_key), n=1, cutoff=0.6)
-    return by_key[close[0]] if close else None
-
-
-def _unknown_option(typed: str, name: str, sections: dict[str, type]) -> str:
-    nearest = _nearest_key(name, sections)
-    hint = f"; did you mean --{nearest}?" if nearest else "."
-    section, _, key = name.partition(".")
-    if section in sections:
-        valid = f"Valid keys in [{section}]: {', '.join(_options(sections[section]))}."
-    else:
-        valid = f"Valid sections: {', '.join(sections)}."
-    return f"unknown option {typed}{hint} {valid} Run with --help to list every option."
-
-
-def _did_you_mean(word: str, candidates: list[str], template: str) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {template.format(close[0])}?" if close else "."
-
-
-def _choices_hint(f: dataclasses.Field) -> str:
-    return f", one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
-
-
-def _choice_problems(cfg: JobConfig) -> list[str]:
-    problems = []
-    for section, section_cls in _sections(type(cfg)).items():
-        for key, (f, _) in _options(section_cls).items():
-            choices = f.metadata.get("choices")
-            value = getattr(getattr(cfg, section), key)
-            if choices is None or value is None or value in choices:
-                continue
-            close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else "."
-            problems.append(
-                f"{section}.{key} = {value!r} is not allowed; choose one of {', '.join(choices)}{hint}"
-            )
-    return problems
-
-
-def _cli_repr(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value) or '""'
-    return str(value) if value != "" else '""'
-
-
-def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path} (given by --job.config_file/--config).") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}.") from None
-    except tomllib.TOMLDecodeError as e:
-        # The decoder's message carries "(at line L, column C)".
-        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
-
-
-if __name__ == "__main__":
-    try:
-        print(load_config().to_toml(), end="")
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+def _key_hint(section: str, key: str, options: dict) -> str:
+    foreign = FOREIGN_NAMES.get(key)
+    if foreign is not None:
+        return f"; did you mean {foreign}?"
+    return _did_you_mean(key, list(options), section + ".{}")

@@ -1,0 +1,141 @@
+"""Config checks that need no torch: cross-section combinations, warnings, foreign option names,
+and the pre-launch check `python -m trainer.config.check` that run_train.sh runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.config.check import check_run_folder, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def error(argv):
+    with pytest.raises(ConfigError) as err:
+        load_config(argv)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, ours",
+    [
+        ("expert_parallel_degree", "ep"),
+        ("tensor_parallel_degree", "tp"),
+        ("context_parallel_degree", "cp"),
+        ("data_parallel_shard_degree", "dp_shard"),
+        ("data_parallel_replicate_degree", "dp_replicate"),
+    ],
+)
+def test_torchtitan_names_point_to_ours(tmp_path, name, ours):
+    assert f"did you mean --parallelism.{ours}?" in error([f"--parallelism.{name}", "2"])
+    toml = tmp_path / "tt.toml"
+    toml.write_text(f"[parallelism]\n{name} = 2\n")
+    assert f"did you mean parallelism.{ours}?" in error(["--config", str(toml)])
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--training.dataset_path", "x.jsonl"], ["training.dataset_path = 'x.jsonl' is ignored", "--training.dataset json"]),
+        (["--training.dataset", "json"], ["training.dataset = 'json' reads local files", "--training.dataset_path"]),
+        (["--validation.dataset_path", "v.jsonl"], ["validation.dataset_path = 'v.jsonl' is ignored", "--validation.dataset"]),
+        (
+            ["--validation.dataset", "shakespeare", "--validation.dataset_path", "v.jsonl"],
+            ["validation.dataset_path = 'v.jsonl' is ignored by validation.dataset = 'shakespeare'"],
+        ),
+        (["--validation.dataset", "text"], ["validation.dataset = 'text' reads local files"]),
+        (["--parallelism.expert_parallel_comm_backend", "deepep"], ["'deepep' is not implemented", "all_to_all"]),
+    ],
+)
+def test_ignored_inputs_are_refused(argv, words):
+    message = error(argv)
+    assert "\n" not in message  # one problem, one line
+    for w in words:
+        assert w in message
+
+
+def test_inputs_that_are_used_pass():
+    load_config(["--training.dataset", "json", "--training.dataset_path", "x.jsonl"])
+    load_config(["--training.dataset", "json", "--training.dataset_path", "x.jsonl", "--validation.dataset_path", "v.jsonl"])
+    load_config(["--training.dataset", "someone/hub-set", "--training.dataset_path", "config-name"])
+    # A path under disabled validation is not read, and not an error either.
+    load_config(["--validation.dataset_path", "v.jsonl", "--no-validation.enable"])
+
+
+def test_warnings_name_what_is_ignored():
+    warnings = load_config([
+        "--training.steps", "5", "--lr_scheduler.warmup_steps", "10", "--engram.max_ngram", "4",
+        "--checkpoint.interval", "7", "--quantize.emulate", "--training.time_limit_minutes", "3",
+    ]).warnings()
+    text = "\n".join(warnings)
+    assert "lr_scheduler.warmup_steps = 10 is more than training.steps = 5" in text
+    assert "engram.max_ngram = 4 is ignored: engram.enable is false" in text
+    assert "checkpoint.interval = 7 is ignored: checkpoint.enable is false" in text
+    assert "quantize.emulate = true is ignored: quantize.float8 is false" in text
+    assert "training.time_limit_minutes stops the run without saving it" in text
+    assert len(warnings) == 5
+
+
+def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
+    assert load_config([]).warnings() == []
+    for toml in sorted((REPO / "train_configs").glob("*.toml")):
+        assert load_config(["--config", str(toml)]).warnings() == [], toml.name
+    # Switched off on purpose: its settings stay quiet.
+    assert load_config(["--no-validation.enable", "--validation.steps", "3"]).warnings() == []
+    assert load_config(["--engram.enable", "--engram.max_ngram", "4"]).warnings() == []
+
+
+def test_run_folder_with_an_earlier_run_is_refused(tmp_path):
+    cfg = load_config(["--job.dump_folder", str(tmp_path)])
+    check_run_folder(cfg)  # empty folder: fine
+    (tmp_path / "train.log").write_text("a run that failed before it started\n")
+    check_run_folder(cfg)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\).*--checkpoint.enable"):
+        check_run_folder(cfg)
+    check_run_folder(load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
+
+
+@pytest.mark.parametrize(
+    "world, argv, words",
+    [
+        (2, ["--parallelism.tp", "4"], ["dp_replicate x cp x tp = 1 x 1 x 4 = 4 does not divide the world size 2"]),
+        (2, ["--parallelism.cp", "2", "--training.seq_len", "102"], ["training.seq_len = 102", "2 x parallelism.cp = 4", "104"]),
+        (2, ["--parallelism.tp", "2", "--training.seq_len", "101"], ["training.seq_len = 101", "parallelism.tp = 2"]),
+        (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "3"], ["parallelism.ep = 3 must divide"]),
+        (2, ["--training.global_batch_size", "24"], ["global_batch_size = 24", "8 x 2", "multiple of 16"]),
+        (2, ["--training.stpes", "3"], ["did you mean --training.steps"]),
+    ],
+)
+def test_prelaunch_check_refuses_with_one_line(capsys, tmp_path, world, argv, words):
+    assert main(["--world-size", str(world), "--job.dump_folder", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and err.count("\n") == 1
+    for w in words:
+        assert w in err
+
+
+def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    assert main(["--world-size", "4", *run, "--parallelism.ep", "2", "--training.global_batch_size", "64"]) == 0
+    assert main(["--world-size=2", *run, "--parallelism.cp", "2", "--training.seq_len", "104"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_prelaunch_check_needs_a_world_size():
+    with pytest.raises(SystemExit, match="--world-size must be a positive integer"):
+        main(["--training.steps", "3"])
+
+
+def test_prelaunch_check_runs_without_torch(tmp_path):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from trainer.config.check import main\n"
+        f"sys.exit(main(['--world-size', '2', '--job.dump_folder', {str(tmp_path)!r}, '--parallelism.tp', '4']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr

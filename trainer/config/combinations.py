@@ -1,0 +1,109 @@
+"""Checks across sections: options that another option makes meaningless.
+
+Audit rule: an option the run would silently ignore is refused when it names data the user wants
+used (a dataset path the chosen dataset does not read), and warned about when it only tunes a
+feature whose switch was left off (a value other than its default under a switch at its default).
+Torch-free, so the pre-launch check runs the same rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainer.config.fields import _cli_repr, _default
+
+LOCAL_FORMATS = ("json", "text", "parquet", "auto")
+BUNDLED_DATASET = "shakespeare"
+
+
+def combination_problems(cfg: Any) -> list[str]:
+    """Combinations that cannot mean what the user asked: one message each."""
+    t, v = cfg.training, cfg.validation
+    problems = []
+    if t.dataset == BUNDLED_DATASET and t.dataset_path:
+        problems.append(
+            f"training.dataset_path = {t.dataset_path!r} is ignored by training.dataset = {BUNDLED_DATASET!r} "
+            f"(the bundled corpus); to train on that path add --training.dataset json (or text, parquet, auto; "
+            f"a hub dataset name takes its config there), or drop --training.dataset_path."
+        )
+    if t.dataset in LOCAL_FORMATS and not t.dataset_path:
+        problems.append(
+            f"training.dataset = {t.dataset!r} reads local files: set --training.dataset_path "
+            f"(a file, a glob or a directory)."
+        )
+    if v.enable and v.dataset is None and v.dataset_path and t.dataset == BUNDLED_DATASET:
+        problems.append(
+            f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses the training dataset "
+            f"{BUNDLED_DATASET!r}; add --validation.dataset json (or text, parquet, auto), or drop "
+            "--validation.dataset_path."
+        )
+    if v.enable and v.dataset == BUNDLED_DATASET and v.dataset_path:
+        problems.append(
+            f"validation.dataset_path = {v.dataset_path!r} is ignored by validation.dataset = {BUNDLED_DATASET!r}; "
+            "add --validation.dataset json (or text, parquet, auto), or drop --validation.dataset_path."
+        )
+    if v.enable and v.dataset in LOCAL_FORMATS and not v.dataset_path:
+        problems.append(
+            f"validation.dataset = {v.dataset!r} reads local files: set --validation.dataset_path "
+            "(a file, a glob or a directory)."
+        )
+    return problems
+
+
+# (switch, is the feature off?, the section's options it makes meaningless; None = all others).
+# Only a switch left at its default warns: the user configured a feature and forgot to turn it on,
+# whereas one turned off on purpose (e.g. --no-validation.enable over a TOML) keeps its settings quietly.
+_GATES = (
+    ("engram.enable", lambda c: not c.engram.enable, None),
+    (
+        "checkpoint.enable", lambda c: not c.checkpoint.enable,
+        ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only"),
+    ),
+    (
+        "checkpoint.last_save_model_only",
+        lambda c: c.checkpoint.enable and not c.checkpoint.last_save_model_only, ("export_dtype",),
+    ),
+    ("checkpoint.initial_load_path", lambda c: not c.checkpoint.initial_load_path, ("initial_load_format",)),
+    ("metrics.enable_wandb", lambda c: not c.metrics.enable_wandb, ("wandb_project", "wandb_mode")),
+    (
+        "profiling.enable_profiling", lambda c: not c.profiling.enable_profiling,
+        ("profile_start_step", "profile_steps", "traces_folder", "profile_memory"),
+    ),
+    ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
+    ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
+)
+
+
+def _value_and_default(cfg: Any, dotted: str) -> tuple[Any, Any]:
+    section, _, key = dotted.partition(".")
+    table = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(table)}
+    return getattr(table, key), _default(fields[key])
+
+
+def combination_warnings(cfg: Any) -> list[str]:
+    """Options set to a value the run will not use, and settings that are legal but suspicious."""
+    warnings = []
+    for switch, is_off, keys in _GATES:
+        value, default = _value_and_default(cfg, switch)
+        if not is_off(cfg) or value != default:
+            continue
+        section, _, switch_key = switch.partition(".")
+        names = keys or [f.name for f in dataclasses.fields(getattr(cfg, section)) if f.name != switch_key]
+        for key in names:
+            set_to, key_default = _value_and_default(cfg, f"{section}.{key}")
+            if set_to != key_default:
+                warnings.append(f"{section}.{key} = {_cli_repr(set_to)} is ignored: {switch} is {_cli_repr(value)}.")
+    t = cfg.training
+    if cfg.lr_scheduler.warmup_steps > t.steps:
+        warnings.append(
+            f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is more than training.steps = {t.steps}: "
+            "the learning rate never reaches optimizer.lr; lower --lr_scheduler.warmup_steps."
+        )
+    if t.time_limit_minutes > 0 and not cfg.checkpoint.enable:
+        warnings.append(
+            "training.time_limit_minutes stops the run without saving it: checkpoint.enable is false; "
+            "add --checkpoint.enable to resume it later."
+        )
+    return warnings

@@ -1,0 +1,300 @@
+"""The parallel layout's arithmetic: the one place that checks parallel degrees.
+
+`Layout` validates the degrees of `[parallelism]` (and Engram's table split) against the world
+size and derives every degree the run needs; `ParallelDims` (trainer/parallel/parallel_dims.py)
+extends it with the device meshes. Torch-free, so `run_train.sh` checks a layout before it starts
+any process (`python -m trainer.config.check`) with the same code the workers run.
+
+The rank layout and the meshes built on it are described in trainer/parallel/parallel_dims.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config.fields import ConfigError
+
+# Meshes every multi-process layout builds; the Engram mesh must be named otherwise.
+MESH_NAMES = (
+    "world", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
+    "sparse", "context",
+)
+
+
+class LayoutError(ConfigError):
+    """Degrees that do not fit the world size or the model (found before any process-group work)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_problems(p) -> list[str]:
+    """What is wrong with the degrees of `p` (a `[parallelism]` section or a `Layout`) whatever
+    the world size: one message each."""
+    problems = [
+        f"parallelism.{name} must be >= 1, got {getattr(p, name)}."
+        for name in ("dp_replicate", "cp", "tp", "ep")
+        if getattr(p, name) < 1
+    ]
+    if p.dp_shard != -1 and p.dp_shard < 1:
+        problems.append(f"parallelism.dp_shard must be >= 1, or -1 to infer it, got {p.dp_shard}.")
+    if p.ep_as_cp and p.cp != 1:
+        problems.append(
+            f"parallelism.ep_as_cp uses the expert dim as the context dim, so parallelism.cp must be 1 "
+            f"(got cp={p.cp}); set --parallelism.cp 1 and shard the sequence with --parallelism.ep {p.ep * p.cp}."
+        )
+    elif p.ep_as_cp and p.ep < 2:
+        problems.append(
+            f"parallelism.ep_as_cp needs parallelism.ep > 1 (got ep={p.ep}); "
+            "set --parallelism.ep or drop --parallelism.ep_as_cp."
+        )
+    return problems
+
+
+@dataclass
+class Layout:
+    """Validated degrees (``dp_shard = -1`` and ``engram = -1`` resolved) and the degrees derived
+    from them; raises LayoutError on construction when they do not fit ``world_size``."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    ep_as_cp: bool
+    world_size: int
+    engram: int = 1
+    engram_mesh_name: str = "engram"
+
+    def __post_init__(self) -> None:
+        self._validate_degrees()
+        self._validate_engram()
+
+    def _validate_degrees(self) -> None:
+        w = self.world_size
+        if w < 1:
+            raise LayoutError(f"world size must be >= 1, got {w}")
+        problems = degree_problems(self)
+        if problems:
+            raise LayoutError(" ".join(problems))
+        others = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if w % others:
+                raise LayoutError(
+                    f"cannot infer parallelism.dp_shard: dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x "
+                    f"{self.tp} = {others} does not divide the world size {w} (NNODES x NGPU); pick parallelism degrees "
+                    f"whose product divides {w} (divisors: {_divisors(w)})"
+                )
+            self.dp_shard = w // others
+        product = others * self.dp_shard
+        if product != w:
+            fit = f"dp_shard = {w // others}" if w % others == 0 else f"degrees whose product is {w}"
+            raise LayoutError(
+                f"parallelism dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
+                f"{self.tp} = {product} != world size {w}; use {fit} (or dp_shard = -1 to infer it)"
+            )
+        block = self.dp_shard * self.cp
+        if self.ep > 1 and block % self.ep:
+            raise LayoutError(
+                f"parallelism.ep = {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = {block} "
+                f"(expert parallelism borrows those ranks); pick ep in {_divisors(block)}"
+            )
+
+    def _validate_engram(self) -> None:
+        """The Engram table is split over ranks that see different tokens (dp_replicate x
+        dp_shard x cp); the degree must divide their number. -1 = all of them."""
+        tokens = self.loss_degree
+        if self.engram == -1:
+            self.engram = tokens
+        where = (
+            f"the ranks that see different tokens: dp_replicate x dp_shard x cp = {self.dp_replicate} x "
+            f"{self.dp_shard} x {self.cp} = {tokens} (tensor-parallel ranks share tokens)"
+        )
+        if self.engram < 1 or tokens % self.engram:
+            raise LayoutError(
+                f"engram.embedding_parallel_degree = {self.engram} must divide {where}; pick one of "
+                f"{_divisors(tokens)}, or -1 for all {tokens}"
+            )
+        if self.engram > 1 and self.engram_mesh_name in MESH_NAMES:
+            raise LayoutError(
+                f"engram.mesh_name = {self.engram_mesh_name!r} is already a mesh of the layout; "
+                "pick another name (default 'engram')"
+            )
+
+    # ----------------------------------------------------------------- what must divide what
+    def check_batch(self, local_batch_size: int, global_batch_size: int) -> int:
+        """The gradient-accumulation steps of one optimizer step (global_batch_size -1 = one
+        micro-batch per data-parallel rank)."""
+        per_step = local_batch_size * self.dp_degree
+        if global_batch_size == -1:
+            return 1
+        if global_batch_size % per_step:
+            raise LayoutError(
+                f"training.global_batch_size = {global_batch_size} is not a multiple of local_batch_size x "
+                f"data-parallel degree = {local_batch_size} x {self.dp_degree}; pick a multiple of {per_step}"
+            )
+        return global_batch_size // per_step
+
+    def check_shapes(
+        self,
+        seq_len: int,
+        n_heads: int | None = None,
+        num_experts: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        """Shapes the layout splits must divide evenly. The model's sizes come from its flavor,
+        which needs torch; the pre-launch check passes only `seq_len`, the trainer all of them."""
+        problems = []
+        context = self.context_degree
+        if context > 1 and seq_len % (2 * context):
+            key = "parallelism.ep (ep_as_cp)" if self.ep_as_cp else "parallelism.cp"
+            problems.append(
+                f"training.seq_len = {seq_len} must be a multiple of 2 x {key} = {2 * context}: context "
+                f"parallelism cuts each sequence into 2 x {context} load-balanced chunks; use seq_len "
+                f"{_round_to(seq_len, 2 * context)}"
+            )
+        elif self.tp > 1 and (seq_len // context) % self.tp:
+            problems.append(
+                f"training.seq_len = {seq_len} must be a multiple of parallelism.tp = {self.tp}"
+                + (f" x the context degree {context}" if context > 1 else "")
+                + f": tensor parallelism shards the sequence of the norms (sequence parallel); use seq_len "
+                f"{_round_to(seq_len, self.tp * context * (2 if context > 1 else 1))}"
+            )
+        for key, value, degree, name in (
+            ("n_heads", n_heads, self.tp, "parallelism.tp"),
+            ("vocab_size", vocab_size, self.tp, "parallelism.tp"),
+            ("num_experts", num_experts, self.ep, "parallelism.ep"),
+        ):
+            if value is not None and value % degree:
+                problems.append(
+                    f"{name} = {degree} must divide the model's {key} = {value}; "
+                    f"pick {name} in {[d for d in _divisors(value) if d <= 64]}"
+                )
+        if problems:
+            raise LayoutError("; ".join(problems))
+
+    # ----------------------------------------------------------------- degrees
+    @property
+    def efsdp(self) -> int:
+        """Expert FSDP degree: dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def fsdp_degree(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that read different samples (the data loader's world size)."""
+        if self.ep_as_cp:
+            return self.dp_replicate * self.efsdp
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def loss_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def context_degree(self) -> int:
+        """How many ranks split one sample's sequence."""
+        return self.ep if self.ep_as_cp else self.cp
+
+    @property
+    def context_mesh_name(self) -> str:
+        return "ep" if self.ep_as_cp else "cp"
+
+    @property
+    def engram_enabled(self) -> bool:
+        """Engram tables are row-sharded (over the ``engram_mesh_name`` mesh)."""
+        return self.engram > 1
+
+    @property
+    def engram_replicate_mesh_name(self) -> str:
+        return self.engram_mesh_name + "_replicate"
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP shards parameters whenever dp_shard x cp > 1 (cp ranks share the weights)."""
+        return self.fsdp_degree > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.fsdp_enabled
+
+    @property
+    def data_parallel_enabled(self) -> bool:
+        """Any replication of weights (gradients must be reduced)."""
+        return self.dp_replicate > 1 or self.fsdp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def context_enabled(self) -> bool:
+        return self.context_degree > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def loss_enabled(self) -> bool:
+        return self.loss_degree > 1
+
+    def describe(self) -> str:
+        parts = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
+        if self.ep_as_cp:
+            parts.append("ep_as_cp")
+        return f"world size {self.world_size} = " + " x ".join(parts[:4]) + " | " + ", ".join(parts[4:]) + (
+            f" | data-parallel {self.dp_degree}, fsdp {self.fsdp_degree}, efsdp {self.efsdp}"
+        ) + (f", engram {self.engram}" if self.engram_enabled else "")
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int, engram=None):
+        """From the ``[parallelism]`` section (and ``[engram]``, when enabled, for its table split)."""
+        p = parallelism
+        use_engram = engram is not None and engram.enable
+        return cls(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            ep=p.ep,
+            ep_as_cp=p.ep_as_cp,
+            world_size=world_size,
+            engram=engram.embedding_parallel_degree if use_engram else 1,
+            engram_mesh_name=engram.mesh_name if use_engram else "engram",
+        )
+
+    @classmethod
+    def from_job(cls, cfg, world_size: int):
+        """The run's layout from a whole `JobConfig`, with every check the config alone allows:
+        degrees against the world size, the batch split, the sequence split."""
+        layout = cls.from_config(cfg.parallelism, world_size, cfg.engram)
+        t = cfg.training
+        layout.check_batch(t.local_batch_size, t.global_batch_size)
+        layout.check_shapes(t.seq_len)
+        return layout
+
+
+def _round_to(value: int, multiple: int) -> int:
+    """The nearest positive multiple of `multiple` to `value`."""
+    return max(multiple, round(value / multiple) * multiple)
