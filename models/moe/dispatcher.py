@@ -1,9 +1,10 @@
 """Token dispatchers: move routed tokens to their experts and back.
 
-This is the MoE's compiler boundary. Everything whose shape or values depend on routing
-(sorting by expert, per-expert counts, split sizes, all-to-all) happens inside `dispatch()`
-and `combine()`, both excluded from torch.compile, so the rest of the block compiles into
-static-shape graphs and a new routing never triggers a recompile.
+The local dispatcher has static shapes and reads nothing on the host (the sort, counts and
+gathers of models/moe/permutation.py), so a whole MoE block compiles into one graph and a new
+routing never triggers a recompile. Expert parallelism's all-to-all needs its split sizes in
+Python: that dispatcher keeps the exchanges out of torch.compile (`torch.compiler.disable`),
+and they are the only graph breaks of its MoE blocks.
 """
 
 from typing import Any, NamedTuple
@@ -32,8 +33,9 @@ class TokenDispatcher:
       routed_out's dtype: for each token, the sum over its K choices of expert output times
       gate value. Gate values are applied here, not before the experts.
     - `ctx` is opaque to callers; only the same dispatcher's `combine` reads it.
-    - Implementations decorate both methods with `@torch.compiler.disable` and keep them
-      differentiable with respect to x, top_scores and routed_out.
+    - Both methods stay differentiable with respect to x, top_scores and routed_out; code
+      whose shapes depend on routing values is kept out of torch.compile
+      (`@torch.compiler.disable`), the rest compiles with the block.
     The single-device model uses `LocalTokenDispatcher`; expert parallelism replaces the
     `MoE.dispatcher` attribute with an all-to-all implementation of the same contract.
     """
@@ -65,7 +67,6 @@ class LocalTokenDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    @torch.compiler.disable
     def dispatch(
         self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _LocalContext]:
@@ -74,7 +75,6 @@ class LocalTokenDispatcher(TokenDispatcher):
         )
         return permute(x, perm), perm.counts, _LocalContext(perm, top_scores)
 
-    @torch.compiler.disable
     def combine(
         self, routed_out: torch.Tensor, ctx: _LocalContext, out_shape: torch.Size
     ) -> torch.Tensor:

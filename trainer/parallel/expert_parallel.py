@@ -109,13 +109,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         torch._dynamo.maybe_mark_dynamic(routed_x, 0)
         return routed_x, recv.counts, _A2AContext(send, recv, top_scores, input_splits, output_splits)
 
-    @torch.compiler.disable
     def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
-        back = funcol.all_to_all_single_autograd(
+        # The unsort and gate weighting compile with the block; only the exchange is eager.
+        back = self.exchange_back(routed_out, ctx)
+        return gate_weighted_sum(unpermute(back, ctx.send), ctx.top_scores)
+
+    @torch.compiler.disable
+    def exchange_back(self, routed_out: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
+        """Expert outputs back to the ranks that sent the rows, in their send order."""
+        return funcol.all_to_all_single_autograd(
             unpermute(routed_out, ctx.recv), ctx.input_splits, ctx.output_splits, self.group
         )
-        # Same gate weighting as LocalTokenDispatcher (same numbers per token).
-        return gate_weighted_sum(unpermute(back, ctx.send), ctx.top_scores)
 
 
 def check_ep_comm_backend(backend: str, device_type: str) -> None:

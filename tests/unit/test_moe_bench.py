@@ -1,0 +1,58 @@
+"""benchmarks/moe_bench.py and its `--model-override` parser."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.deepseek_v3 import get_flavor
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the benchmarks import each other as scripts do
+
+import model_overrides  # noqa: E402
+import moe_bench  # noqa: E402
+
+
+def test_overrides_reach_model_and_moe_fields():
+    args = model_overrides.apply_model_overrides(
+        get_flavor("16B"),
+        ["n_layers=4", "dim=1024", "top_k=4", "moe.use_grouped_mm=false", "load_balance_coeff=none", "init_std=0.01"],
+    )
+    assert (args.n_layers, args.dim, args.init_std) == (4, 1024, 0.01)
+    assert (args.moe.top_k, args.moe.use_grouped_mm, args.moe.load_balance_coeff) == (4, False, None)
+    assert args.moe.num_experts == get_flavor("16B").moe.num_experts
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("layers=4", "not a DeepSeekV3ModelArgs or MoEArgs field"),
+        ("moe.n_layers=4", "MoEArgs has no field 'n_layers'"),
+        ("n_layers=four", "cannot parse 'four'"),
+        ("n_layers", "expected key=value"),
+        ("top_k=99", "top_k must be in"),  # the dataclass's own validation
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        model_overrides.apply_model_overrides(get_flavor("debugmodel"), [override])
+
+
+def test_bench_reports_the_ratio_with_overrides(monkeypatch, capsys):
+    argv = ["moe_bench.py", "--tokens", "32", "--rounds", "1", "--warmup", "0", "--device", "cpu",
+            "--model-override", "dim=64", "--model-override", "num_experts=4", "--model-override", "num_expert_groups=2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    moe_bench.main()
+    report = json.loads(capsys.readouterr().out.split("\n\n")[0])
+    assert report["dim"] == 64 and report["experts"] == 4
+    assert report["model_overrides"] == ["dim=64", "num_experts=4", "num_expert_groups=2"]
+    ratios = {r["variant"]: r["ratio_to_ideal"] for r in report["results"]}
+    assert ratios["dense_same_active_flops"] == 1.0 and ratios["moe_grouped_mm"] > 0
+
+
+def test_bench_rejects_an_unknown_override(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["moe_bench.py", "--device", "cpu", "--model-override", "nope=1"])
+    with pytest.raises(SystemExit):
+        moe_bench.main()
