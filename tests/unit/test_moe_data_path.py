@@ -106,11 +106,15 @@ def _atomic(counts: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in counts.items() if k.startswith(ATOMIC_OPS)}
 
 
-def test_profiler_sees_a_backward_index_add():
-    """The counter can fail: a plain `index_select`'s backward is an `index_add`."""
+def test_profiler_probes_can_fail():
+    """A plain `index_select`'s backward is an `index_add`; a bare `.item()` is outside any
+    grouped mm."""
     x = torch.randn(6, 4, requires_grad=True)
     counts = _op_counts(lambda: x.index_select(0, torch.tensor([0, 0, 3])).sum().backward())
     assert _atomic(counts).get("aten::index_add_", 0) + _atomic(counts).get("aten::index_add", 0) > 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x.sum().item()
+    assert _items_outside_grouped_mm(prof) == 1
 
 
 def test_host_read_counter_sees_the_loop_path():
@@ -122,12 +126,29 @@ def test_host_read_counter_sees_the_loop_path():
     assert "tolist" in counter.reads
 
 
+def _items_outside_grouped_mm(prof) -> int:
+    """`aten::item` calls not made by a `_grouped_mm` kernel. The CPU kernel loops over the
+    groups and reads each offset inside C++; the CUDA kernel reads them on the device."""
+    outside = 0
+    for event in prof.events():
+        if event.name != "aten::item":
+            continue
+        parent = event.cpu_parent
+        while parent is not None and parent.name != "aten::_grouped_mm":
+            parent = parent.cpu_parent
+        outside += parent is None
+    return outside
+
+
 def test_grouped_mm_path_has_no_atomics_and_no_host_reads():
     moe = _debug_moe()
     x, grad_out = _inputs(moe)
-    counts = _op_counts(lambda: _forward_backward(moe, x, grad_out))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _forward_backward(moe, x, grad_out)
+    counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("aten::_grouped_mm", 0) >= 6  # 3 forward + their backward: the path ran
     assert _atomic(counts) == {}, _atomic(counts)
+    assert _items_outside_grouped_mm(prof) == 0
 
     moe.zero_grad()
     with HostReadCounter() as counter:
