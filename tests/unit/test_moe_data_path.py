@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
+import models.moe.dispatcher as dispatcher_module
 from models.moe import MoE
 from models.moe.permutation import permute, sort_by_expert, unpermute
 
@@ -156,8 +157,10 @@ def test_grouped_mm_path_has_no_atomics_and_no_host_reads():
     assert counter.reads == []
 
 
+@pytest.mark.parametrize("align", [1, 16])  # 16: the CUDA group alignment, with padding rows
 @pytest.mark.parametrize("use_grouped_mm", [True, False])
-def test_matches_the_per_token_loop(use_grouped_mm):
+def test_matches_the_per_token_loop(use_grouped_mm, align, monkeypatch):
+    monkeypatch.setattr(dispatcher_module, "group_align", lambda x: align)
     moe = _debug_moe(use_grouped_mm=use_grouped_mm)
     x, grad_out = _inputs(moe, bsz=2, seqlen=24)
     out, dx = _forward_backward(moe, x, grad_out)
