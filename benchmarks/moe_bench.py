@@ -12,7 +12,8 @@ machine noise hits them alike; the reported time is the median over rounds.
     python benchmarks/moe_bench.py --flavor proxy_1b --dtype bf16 --tokens 16384   # GPU
     python benchmarks/moe_bench.py --flavor 16B --model-override top_k=4 --dtype bf16
 
-`--model-override key=value` (repeatable) changes a `DeepSeekV3ModelArgs` or `MoEArgs` field of
+`--compile` runs every variant through `torch.compile` (the trainer's dynamo settings); on one
+device the MoE block is then one graph. `--model-override key=value` (repeatable) changes a `DeepSeekV3ModelArgs` or `MoEArgs` field of
 the flavor (benchmarks/model_overrides.py).
 """
 
@@ -24,11 +25,14 @@ import json
 import statistics
 import time
 
+import contextlib
+
 import torch
 
 from models.common.ffn import FeedForward
 from models.deepseek_v3 import get_flavor
 from models.moe import MoE
+from trainer.parallel.compile import compile_dynamo_config
 
 from model_overrides import apply_model_overrides
 
@@ -77,6 +81,7 @@ def main() -> None:
         "--model-override", action="append", default=[], metavar="KEY=VALUE",
         help="change a DeepSeekV3ModelArgs/MoEArgs field of the flavor, e.g. n_layers=4 or top_k=6 (repeatable)",
     )
+    p.add_argument("--compile", action="store_true", help="torch.compile every variant's forward")
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -86,18 +91,24 @@ def main() -> None:
         p.error(str(exc))
     x = torch.randn(1, a.tokens, args.dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     x.requires_grad_(True)
-
-    for _ in range(a.warmup):
+    dynamo = contextlib.nullcontext()
+    if a.compile:
         for m in variants.values():
-            step_fn(m, x)
-    times = {k: [] for k in variants}
-    for _ in range(a.rounds):
-        for name, m in variants.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            step_fn(m, x)
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+            m.forward = torch.compile(m.forward)
+        dynamo = torch._dynamo.config.patch(**compile_dynamo_config())
+
+    with dynamo:
+        for _ in range(a.warmup):
+            for m in variants.values():
+                step_fn(m, x)
+        times = {k: [] for k in variants}
+        for _ in range(a.rounds):
+            for name, m in variants.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                step_fn(m, x)
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
 
     ideal = statistics.median(times["dense_same_active_flops"])
     rows = []
@@ -117,6 +128,7 @@ def main() -> None:
         "model_overrides": a.model_override,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "dtype": a.dtype,
+        "compile": a.compile,
         "tokens": a.tokens,
         "dim": args.dim,
         "experts": args.moe.num_experts,

@@ -56,3 +56,14 @@ def test_bench_rejects_an_unknown_override(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["moe_bench.py", "--device", "cpu", "--model-override", "nope=1"])
     with pytest.raises(SystemExit):
         moe_bench.main()
+
+
+def test_bench_compile_flag_compiles_every_variant(monkeypatch, capsys):
+    compiled = []
+    monkeypatch.setattr(moe_bench.torch, "compile", lambda fn: compiled.append(fn) or fn)
+    argv = ["moe_bench.py", "--tokens", "32", "--rounds", "1", "--warmup", "0", "--device", "cpu",
+            "--model-override", "dim=64", "--compile"]
+    monkeypatch.setattr(sys, "argv", argv)
+    moe_bench.main()
+    report = json.loads(capsys.readouterr().out.split("\n\n")[0])
+    assert report["compile"] is True and len(compiled) == 3
