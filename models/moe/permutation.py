@@ -5,7 +5,8 @@ this module. Every move is a gather whose backward is again a gather, through th
 permutation: no `index_add`, `index_put(accumulate=True)` or `scatter_add` on token rows, which
 on a GPU are atomic scatters (the single largest MoE cost in the H100 profile). The K copies of
 a token are summed as a `[T, K, dim]` view, and every shape is static (the row count is
-`num_slots + num_experts * (align - 1)`), so nothing reads a device value on the host.
+`num_slots + num_experts * (align - 1)`, rounded up to a multiple of `align`), so nothing reads
+a device value on the host.
 """
 
 from typing import NamedTuple
@@ -59,7 +60,8 @@ def sort_by_expert(
     shift = torch.cumsum(padded_counts - counts, dim=0) - (padded_counts - counts)
     sorted_dest = torch.arange(num_slots, device=order.device) + shift.gather(0, sorted_experts)
     dest = torch.empty_like(order).scatter_(0, order, sorted_dest)
-    num_rows = num_slots + num_experts * (align - 1)
+    # Worst-case padding, rounded so that the buffer itself is a whole number of aligned blocks.
+    num_rows = -(-(num_slots + num_experts * (align - 1)) // align) * align
     src = order.new_full((num_rows,), num_slots).scatter_(0, sorted_dest, order)
     return ExpertPermutation(src, dest, padded_counts, group)
 
