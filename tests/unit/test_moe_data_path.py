@@ -27,7 +27,6 @@ class HostReadCounter(TorchFunctionMode):
     READS = {
         torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
         torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
-        torch.Tensor.__len__,
     }
 
     def __init__(self):
