@@ -10,11 +10,17 @@ machine noise hits them alike; the reported time is the median over rounds.
 
     python benchmarks/moe_bench.py                       # debugmodel sizes, CPU, fp32
     python benchmarks/moe_bench.py --flavor proxy_1b --dtype bf16 --tokens 16384   # GPU
+    python benchmarks/moe_bench.py --flavor 16B --model-override top_k=4 --dtype bf16
+
+`--compile` runs every variant through `torch.compile` (the trainer's dynamo settings); on one
+device the MoE block is then one graph. `--model-override key=value` (repeatable) changes a `DeepSeekV3ModelArgs` or `MoEArgs` field of
+the flavor (benchmarks/model_overrides.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -25,6 +31,9 @@ import torch
 from models.common.ffn import FeedForward
 from models.deepseek_v3 import get_flavor
 from models.moe import MoE
+from trainer.parallel.compile import compile_dynamo_config
+
+from model_overrides import apply_overrides
 
 
 def _sync(device: torch.device) -> None:
@@ -32,9 +41,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_variants(flavor: str, device: torch.device, dtype: torch.dtype):
+def build_variants(
+    flavor: str, device: torch.device, dtype: torch.dtype, overrides: list[str] | None = None
+):
     """The two MoE expert paths and the dense same-active-FLOPs FFN, on one seed; returns (variants, model args)."""
-    args = get_flavor(flavor)
+    args = apply_overrides(get_flavor(flavor), overrides or [])
     variants = {}
     for name, grouped in (("moe_grouped_mm", True), ("moe_loop", False)):
         torch.manual_seed(0)
@@ -65,24 +76,38 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--model-override", action="append", default=[], metavar="KEY=VALUE",
+        help="change a DeepSeekV3ModelArgs/MoEArgs field of the flavor, e.g. n_layers=4 or top_k=6 (repeatable)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile every variant's forward")
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    variants, args = build_variants(a.flavor, device, dtype)
+    try:
+        variants, args = build_variants(a.flavor, device, dtype, a.model_override)
+    except ValueError as exc:
+        p.error(str(exc))
     x = torch.randn(1, a.tokens, args.dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     x.requires_grad_(True)
-
-    for _ in range(a.warmup):
+    dynamo = contextlib.nullcontext()
+    if a.compile:
         for m in variants.values():
-            step_fn(m, x)
-    times = {k: [] for k in variants}
-    for _ in range(a.rounds):
-        for name, m in variants.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            step_fn(m, x)
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+            m.forward = torch.compile(m.forward)
+        dynamo = torch._dynamo.config.patch(**compile_dynamo_config())
+
+    with dynamo:
+        for _ in range(a.warmup):
+            for m in variants.values():
+                step_fn(m, x)
+        times = {k: [] for k in variants}
+        for _ in range(a.rounds):
+            for name, m in variants.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                step_fn(m, x)
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
 
     ideal = statistics.median(times["dense_same_active_flops"])
     rows = []
@@ -99,8 +124,10 @@ def main() -> None:
     result = {
         "benchmark": "moe_layer_fwd_bwd",
         "flavor": a.flavor,
+        "model_overrides": a.model_override,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "dtype": a.dtype,
+        "compile": a.compile,
         "tokens": a.tokens,
         "dim": args.dim,
         "experts": args.moe.num_experts,

@@ -30,7 +30,8 @@ class MoEArgs:
     num_limited_groups: int = 1
     """Groups a token may route into (DeepSeek `topk_group`)."""
     use_grouped_mm: bool = True
-    """Run experts with `torch._grouped_mm`; False uses a per-expert loop (same numbers)."""
+    """Run experts with `torch._grouped_mm`; False uses a per-expert loop (same numbers, but it
+    reads the split sizes on the host: one device sync per MoE layer)."""
     load_balance_coeff: float | None = 1e-3
     """Aux-loss-free bias update speed gamma per optimizer step; None disables `expert_bias`."""
     seq_aux_loss_alpha: float = 0.0

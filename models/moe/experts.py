@@ -4,10 +4,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows per expert group are padded to this multiple on CUDA, where the grouped GEMM kernels
-# (bf16 now, fp8 via torchao later) expect aligned group starts; 16 covers both.
-CUDA_GROUP_ALIGN = 16
-
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can run on `x`'s device and dtype.
@@ -19,32 +15,6 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
     if x.dtype == torch.bfloat16:
         return True
     return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
-
-
-def _align_groups(
-    x: torch.Tensor, num_tokens_per_expert: torch.Tensor, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Moves each expert's rows to an `align`-multiple start, zero rows in between.
-
-    Static shapes only (no `.tolist()`), so the token dim stays dynamic under compile: the
-    padded buffer holds the worst case of `align - 1` extra rows per expert.
-
-    Returns:
-        padded x [N + E * (align - 1), dim], group end offsets [E] int32 into it, and the
-        destination row of each input row [N] (to gather the outputs back).
-    """
-    num_rows, num_experts = x.shape[0], num_tokens_per_expert.shape[0]
-    counts = num_tokens_per_expert.to(torch.int64)
-    padded_counts = (counts + align - 1) // align * align
-    ends = torch.cumsum(counts, dim=0)
-    padded_ends = torch.cumsum(padded_counts, dim=0)
-    rows = torch.arange(num_rows, device=x.device)
-    expert_of_row = torch.searchsorted(ends, rows, right=True)
-    # Each row moves by the padding accumulated before its expert's group.
-    shift = (padded_ends - padded_counts) - (ends - counts)
-    dest = rows + shift[expert_of_row]
-    padded = x.new_zeros(num_rows + num_experts * (align - 1), x.shape[1]).index_copy(0, dest, x)
-    return padded, padded_ends.to(torch.int32), dest
 
 
 class GroupedExperts(nn.Module):
@@ -79,7 +49,9 @@ class GroupedExperts(nn.Module):
 
         Args:
             x: [N, dim] rows sorted by expert (expert 0's rows first).
-            num_tokens_per_expert: [E] int, rows per expert (zeros allowed), summing to N.
+            num_tokens_per_expert: [E] int, rows per expert (zeros allowed), summing to at
+                most N. The dispatchers align each group's start (padding rows included in
+                the counts) and leave a padding tail, whose outputs are unspecified.
 
         Returns:
             [N, dim] in x's dtype, or in the autocast dtype when autocast is on.
@@ -89,37 +61,33 @@ class GroupedExperts(nn.Module):
             # both paths, eager and compiled, run in the autocast dtype (bf16 -> grouped mm).
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.use_grouped_mm and _grouped_mm_supported(x):
-            align = CUDA_GROUP_ALIGN if x.is_cuda else 1
-            return self._forward_grouped(x, num_tokens_per_expert, align)
+            return self._forward_grouped(x, num_tokens_per_expert)
         return self._forward_loop(x, num_tokens_per_expert)
 
-    def _forward_grouped(
-        self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, align: int
-    ) -> torch.Tensor:
-        if align > 1:
-            x_in, offsets, dest = _align_groups(x, num_tokens_per_expert, align)
-        else:
-            x_in = x
-            offsets = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
-        # Rows past offsets[-1] (padding tail) come out uninitialised; they are never read back
-        # and the weight gradients only sum rows inside the groups.
+    def _forward_grouped(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # Group ends stay on the device: no host read. Rows past offsets[-1] (padding tail) come
+        # out uninitialised; they are never read back and the weight gradients only sum rows
+        # inside the groups.
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
         # `.to` is a no-op unless autocast made x lower precision than the fp32 weights.
         w1, w2, w3 = (w.to(x.dtype).transpose(-2, -1) for w in self.stacked_weights())
-        h = F.silu(torch._grouped_mm(x_in, w1, offs=offsets))
-        h = h * torch._grouped_mm(x_in, w3, offs=offsets)
-        out = torch._grouped_mm(h, w2, offs=offsets)
-        return out.index_select(0, dest) if align > 1 else out
+        h = F.silu(torch._grouped_mm(x, w1, offs=offsets))
+        h = h * torch._grouped_mm(x, w3, offs=offsets)
+        return torch._grouped_mm(h, w2, offs=offsets)
 
     def _forward_loop(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        # `.tolist()` syncs with the device and fixes the split sizes in Python: fine eagerly,
-        # a graph break under compile (which is why grouped mm is the default).
-        chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
+        # The fallback path reads the split sizes on the host (`.tolist()`, a device sync):
+        # fine eagerly; under compile they are captured as unbacked symbols. The padding tail
+        # gets zeros.
+        sizes = num_tokens_per_expert.tolist()
+        tail = x.shape[0] - sum(sizes)
+        *chunks, rest = torch.split(x, [*sizes, tail], dim=0)
         w1, w2, w3 = self.stacked_weights()
         outs = [
             F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e])
             for e, chunk in enumerate(chunks)
         ]
-        return torch.cat(outs, dim=0)
+        return torch.cat([*outs, rest.new_zeros(rest.shape[0], w2.shape[1])], dim=0)
 
     def init_weights(self, init_std: float) -> None:
         # Same convention as the dense FeedForward: fixed std for the input projection,

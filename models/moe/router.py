@@ -10,15 +10,30 @@ from models.moe.args import MoEArgs
 def count_tokens_per_expert(selected_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Counts how often each expert appears along the last dim: [..., n] int -> [..., E] fp32.
 
-    A scatter-add (a one-hot sum without the one-hot tensor) keeps the output shape static,
-    so it compiles without graph breaks, unlike `bincount`; `histc` has no CPU kernel for
-    integer inputs.
+    Sort and binary search: a static output shape (compiles without graph breaks, unlike
+    `bincount`) and no atomic scatter-add (`histc` has no CPU kernel for integer inputs).
     """
-    counts = torch.zeros(
-        (*selected_experts.shape[:-1], num_experts), device=selected_experts.device
-    )
-    ones = torch.ones_like(selected_experts, dtype=torch.float32)
-    return counts.scatter_add_(-1, selected_experts, ones)
+    sorted_experts = selected_experts.sort(dim=-1).values
+    bounds = torch.arange(num_experts + 1, device=selected_experts.device)
+    bounds = bounds.expand(*selected_experts.shape[:-1], num_experts + 1).contiguous()
+    return torch.searchsorted(sorted_experts, bounds).diff(dim=-1).float()
+
+
+class _GatherDistinct(torch.autograd.Function):
+    """`values.gather(-1, index)` for indices distinct along the last dim (a top-k choice): the
+    backward writes each gradient to its own slot with a plain scatter instead of gather's
+    scatter-add, which is an atomic add on GPUs."""
+
+    @staticmethod
+    def forward(ctx, values, index):
+        ctx.save_for_backward(index)
+        ctx.shape = values.shape
+        return values.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter_(-1, index, grad), None
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -70,7 +85,7 @@ class TokenChoiceTopKRouter(nn.Module):
             scores_for_choice = self._mask_unselected_groups(scores_for_choice)
         selected_experts = scores_for_choice.topk(self.top_k, dim=-1, sorted=False).indices
 
-        top_scores = scores.gather(-1, selected_experts)
+        top_scores = _GatherDistinct.apply(scores, selected_experts)
         if self.route_norm:
             # Same epsilon as HF, which keeps parity and guards an all-zero sigmoid row.
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)

@@ -72,10 +72,11 @@ def test_loss_and_grad_norm_match_single_process(results, layout):
 
 def test_compiled_ep_blocks_break_only_at_the_dispatcher_and_the_experts_fsdp_unit(results):
     # Expert weights are ep DTensors read through ``to_local`` inside the compiled MoE block:
-    # that adds no graph break. The block splits at dispatch() and combine() (compiler-disabled)
-    # and, under FSDP, at the experts' own FSDP unit, whose hooks FSDP2 always hides from dynamo.
+    # that adds no graph break. The block splits at dispatch() and exchange_back() (the
+    # compiler-disabled all-to-alls) and, under FSDP, at the experts' own FSDP unit, whose hooks
+    # FSDP2 always hides from dynamo.
     reasons = list(results["fsdp_2_ep_2_compile"]["graph_breaks"])
-    dispatcher = [r for r in reasons if "AllToAllTokenDispatcher.dispatch" in r or "AllToAllTokenDispatcher.combine" in r]
+    dispatcher = [r for r in reasons if "AllToAllTokenDispatcher.dispatch" in r or "AllToAllTokenDispatcher.exchange_back" in r]
     fsdp_hooks = [r for r in reasons if "fsdp" in r.lower() and r not in dispatcher]
     assert len(dispatcher) == 2 and len(fsdp_hooks) == 1 and len(reasons) == 3, reasons
 

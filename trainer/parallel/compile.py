@@ -9,11 +9,11 @@ What is compiled (`docs/compile.md` has the long version):
 
 * every block of `model.layers` and every MTP block (`model.mtp[k].block`), one compiled
   `forward` per block. Dense blocks are compiled with `fullgraph=True` (a graph break is an
-  error). MoE blocks break exactly twice, at `dispatcher.dispatch()` and
-  `dispatcher.combine()` (both `torch.compiler.disable`d in models/moe/dispatcher.py): attention,
-  norms, router, counts, expert math and shared experts are compiled in three graphs. Under
-  expert parallelism + FSDP the routed experts are their own FSDP unit, whose hooks FSDP2 keeps
-  out of dynamo: one more break, at the experts call (their ep-DTensor weights add none).
+  error). On one device an MoE block is one graph too (the local dispatcher has static shapes,
+  models/moe/permutation.py). Under expert parallelism it breaks exactly twice, at the
+  all-to-all dispatcher's `dispatch()` and `exchange_back()` (`torch.compiler.disable`d); with
+  FSDP the routed experts are their own FSDP unit, whose hooks FSDP2 keeps out of dynamo: one
+  more break, at the experts call (their ep-DTensor weights add none).
 * the loss (`compiled_cross_entropy_sum`), which fuses the fp32 upcast into the softmax.
 
 Per block, not the whole model: a whole-model compile would split at every MoE boundary and
@@ -34,12 +34,12 @@ each call, so other compiled code in the process keeps its defaults):
   `torch._grouped_mm` meta kernel is bf16-only), whose `num_tokens_per_expert.tolist()` would
   otherwise be a graph break; captured, the split sizes are unbacked symbols, so any routing,
   zero-token experts included, runs the same graph.
-* `nested_graph_breaks=True` (where this torch has it): the breaks inside `MoE.forward` resume
-  inside the nested frame instead of also splitting the calling block at `self.ffn(...)`;
-  without it the dispatch boundary is counted twice and the block runs as five graphs.
+* `nested_graph_breaks=True` (where this torch has it): the expert-parallel breaks inside
+  `MoE.forward` resume inside the nested frame instead of also splitting the calling block at
+  `self.ffn(...)`.
 
-The routed-token dim is marked dynamic by the dispatchers (`maybe_mark_dynamic` on `routed_x`),
-so expert parallelism's varying row counts do not recompile either.
+The all-to-all dispatcher marks its routed-row dim dynamic (`maybe_mark_dynamic` on
+`routed_x`), so expert parallelism's varying row counts do not recompile either.
 """
 
 from __future__ import annotations

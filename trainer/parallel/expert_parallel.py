@@ -13,10 +13,12 @@ sharding from the placements.
 Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py``):
   dispatch: sort (token, choice) rows by global expert -> rows are rank-major (experts are
   contiguous per rank) -> exchange per-expert counts (all_to_all_single, then one host sync
-  for the split sizes) -> all_to_all the rows (autograd) -> permute the received rows from
-  [source rank, local expert] order to [local expert, source rank] order for the grouped GEMM.
-  combine: the inverse permutation, the reverse all_to_all, then the local unsort and the
-  gate-weighted K-sum exactly as ``LocalTokenDispatcher`` does it (same numbers per token).
+  for the split sizes, the only host read of the layer) -> all_to_all the rows (autograd) ->
+  permute the received rows from [source rank, local expert] order to [local expert, source
+  rank] order (aligned as the grouped GEMM wants on CUDA).
+  combine: the inverse permutation, the reverse all_to_all, then the unsort and the
+  gate-weighted K-sum. Both permutations are the gathers of ``models/moe/permutation.py``
+  shared with ``LocalTokenDispatcher`` (no atomic scatter in forward or backward).
 """
 
 from __future__ import annotations
@@ -34,11 +36,19 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from models.moe import MoE
 from models.moe.dispatcher import TokenDispatcher
 from models.moe.experts import GroupedExperts
+from models.moe.permutation import (
+    ExpertPermutation,
+    gate_weighted_sum,
+    group_align,
+    permute,
+    sort_by_expert,
+    unpermute,
+)
 
 class _A2AContext(NamedTuple):
-    unsort: torch.Tensor  # [T * K] position of each (token, choice) in the sorted send rows
+    send: ExpertPermutation  # (token, choice) slots -> send rows, sorted by global expert
+    recv: ExpertPermutation  # received rows -> rows sorted (and aligned) by local expert
     top_scores: torch.Tensor  # [T, K] fp32 gate values
-    expert_major: torch.Tensor  # [N_recv] received row index of each expert-major row
     input_splits: list[int]  # rows sent to each ep rank
     output_splits: list[int]  # rows received from each ep rank
 
@@ -72,47 +82,41 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch(
         self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _A2AContext]:
-        top_k = selected_experts.shape[1]
-        flat_experts = selected_experts.reshape(-1)  # [T * K], token-major
-        # Stable: each expert's rows stay in token order, as in LocalTokenDispatcher.
-        order = torch.argsort(flat_experts, stable=True)
-        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        send_counts = torch.bincount(flat_experts, minlength=self.num_experts)  # [E], rank-major
-        recv_counts = torch.empty_like(send_counts)
+        # Sorted by global expert, the send rows are rank-major (experts are contiguous per rank).
+        send = sort_by_expert(selected_experts.reshape(-1), self.num_experts, selected_experts.shape[1])
+        recv_counts = torch.empty_like(send.counts)
         # recv_counts.view(ep, E_local)[s, e]: rows source rank s sends to my local expert e.
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_rank = send_counts.view(self.ep_size, self.num_local_experts)
+        dist.all_to_all_single(recv_counts, send.counts, group=self.group)
+        send_rank = send.counts.view(self.ep_size, self.num_local_experts)
         recv_rank = recv_counts.view(self.ep_size, self.num_local_experts)
-        # One host sync for both split lists (the all-to-all needs them in Python).
+        # The one host read per MoE layer: both split lists at once (all_to_all takes them in
+        # Python).
         splits = torch.cat([send_rank.sum(1), recv_rank.sum(1)]).tolist()
         input_splits, output_splits = splits[: self.ep_size], splits[self.ep_size :]
 
-        send_x = x.index_select(0, order // top_k)
-        recv_x = funcol.all_to_all_single_autograd(send_x, output_splits, input_splits, self.group)
+        recv_x = funcol.all_to_all_single_autograd(permute(x, send), output_splits, input_splits, self.group)
         # Received rows are [source rank][local expert]; the grouped GEMM wants [local expert].
         local_expert_of_row = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size), recv_counts
+            torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size),
+            recv_counts,
+            output_size=sum(output_splits),
         )
-        expert_major = torch.argsort(local_expert_of_row, stable=True)
-        routed_x = recv_x.index_select(0, expert_major)
+        recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=group_align(x))
+        routed_x = permute(recv_x, recv)
         torch._dynamo.maybe_mark_dynamic(routed_x, 0)
-        num_tokens_per_expert = recv_rank.sum(0)
-        return routed_x, num_tokens_per_expert, _A2AContext(unsort, top_scores, expert_major, input_splits, output_splits)
+        return routed_x, recv.counts, _A2AContext(send, recv, top_scores, input_splits, output_splits)
+
+    def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
+        # The unsort and gate weighting compile with the block; only the exchange is eager.
+        back = self.exchange_back(routed_out, ctx)
+        return gate_weighted_sum(unpermute(back, ctx.send), ctx.top_scores)
 
     @torch.compiler.disable
-    def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
-        num_tokens, dim = out_shape
-        top_k = ctx.top_scores.shape[1]
-        source_major = torch.empty_like(ctx.expert_major).scatter_(
-            0, ctx.expert_major, torch.arange(ctx.expert_major.numel(), device=routed_out.device)
+    def exchange_back(self, routed_out: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
+        """Expert outputs back to the ranks that sent the rows, in their send order."""
+        return funcol.all_to_all_single_autograd(
+            unpermute(routed_out, ctx.recv), ctx.input_splits, ctx.output_splits, self.group
         )
-        back = funcol.all_to_all_single_autograd(
-            routed_out.index_select(0, source_major), ctx.input_splits, ctx.output_splits, self.group
-        )
-        per_choice = back.index_select(0, ctx.unsort).view(num_tokens, top_k, dim)
-        # Same rounding as LocalTokenDispatcher: fp32 product, one cast, K-sum.
-        weighted = (per_choice.float() * ctx.top_scores.unsqueeze(-1)).to(routed_out.dtype)
-        return weighted.sum(dim=1)
 
 
 class ExpertParallelGroupedExperts(GroupedExperts):
