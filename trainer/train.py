@@ -228,7 +228,6 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.bias_updater = ExpertBiasUpdater(model, build_reduce_counts(self.parallel_dims))
-        self.bias_updater.register(self.optimizer)
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
         self.train_loader = build_dataloader(
@@ -254,7 +253,9 @@ class Trainer:
         self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
         self.step = 0
         self._log_run_header(tokenizer_path, global_batch)
-        self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
+        # The guard sees the global loss and grad norm (already reduced over every rank), so
+        # all ranks decide alike without a collective of its own.
+        self.nonfinite = NonFiniteGuard(t.max_skipped_steps, agree=lambda bad: bad)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
@@ -304,7 +305,7 @@ class Trainer:
         with self.autocast(), maybe_loss_parallel(tp):
             logits = self.model(inputs, engram_ids=engram_ids, **extra).logits
             loss_sum = replicated_value(cross_entropy_sum(logits, labels))
-        return loss_sum, count_valid(labels)
+        return loss_sum, int(count_valid(labels))
 
     def _validation_all_reduce(self):
         """Sum / min over the "loss" mesh for the validator (None on one rank)."""
@@ -388,11 +389,13 @@ class Trainer:
             n_valid_mtp = sum(count_valid(labels[:, k + 1 :]) for _, labels in batches for k in range(depth))
         else:
             n_valid_mtp = sum(count_valid(t) for shard in shards for t in shard.mtp_labels)
+        # The counts stay on the device (exact in fp32 up to 2^24 tokens per step).
+        counts = torch.stack([torch.as_tensor(n_valid, device=self.device), torch.as_tensor(n_valid_mtp, device=self.device)])
         if self.loss_mesh is not None:
             # Every rank divides by the global counts (all data and context ranks), so the
             # summed gradients are those of the global mean.
-            counts = torch.tensor([n_valid, n_valid_mtp], dtype=torch.float64, device=self.device)
-            n_valid, n_valid_mtp = (int(c) for c in all_reduce_sum(counts, self.loss_mesh).tolist())
+            counts = all_reduce_sum(counts, self.loss_mesh)
+        n_valid, n_valid_mtp = counts.float().unbind()
         loss_total = torch.zeros((), device=self.device)
         mtp_total = torch.zeros((), device=self.device)
         tp = self.parallel_dims.tp_enabled
@@ -410,7 +413,7 @@ class Trainer:
                         mtp_sum, _ = mtp_loss(out.mtp_logits, labels, ignore_index=IGNORE_INDEX)
                     else:  # targets shifted on the full sequence, then sharded
                         mtp_sum = sum(map(cross_entropy_sum, out.mtp_logits, shards[i].mtp_labels))
-                    mtp = mtp_sum / max(n_valid_mtp, 1)
+                    mtp = mtp_sum / n_valid_mtp.clamp_min(1)
                     objective = objective + self.cfg.model.mtp_loss_weight * mtp
                     mtp_total += replicated_value(mtp.detach())
             with maybe_loss_parallel(tp):
@@ -431,22 +434,27 @@ class Trainer:
         grad_norm = clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
         self.breakdown.mark("reduce_clip")
         lr = self.optimizer.param_groups[0]["lr"]
-        # Checked before the step, so a NaN never reaches the weights (nor, through the
-        # optimizer pre-hook, the MoE bias). The schedule still advances: LR stays a function of the step.
-        skipped = self.nonfinite.should_skip(self.step, float(loss_total), float(grad_norm))
-        if skipped:
-            for moe in self.bias_updater.modules:
-                moe.tokens_per_expert.zero_()
+        # The step's one host read. Checked before the step, so a NaN never reaches the weights
+        # nor the MoE bias. The schedule still advances: LR stays a function of the step.
+        loss_value, mtp_value, norm_value = torch.stack([loss_total, mtp_total, grad_norm.to(loss_total)]).tolist()
+        if self.nonfinite.should_skip(self.step, loss_value, norm_value):
+            self.bias_updater.skip()
         else:
+            self.bias_updater.step()
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")
-        stats = {"loss": float(loss_total), "grad_norm": float(grad_norm), "lr": lr}
+        stats = {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
         if depth:
-            stats["mtp_loss"] = float(mtp_total)
-        stats.update(engram_metrics(self.model))
-        moe_stats = self.bias_updater.last_stats
+            stats["mtp_loss"] = mtp_value
+        return stats
+
+    def logged_metrics(self) -> dict:
+        """Metrics that need host reads of their own, gathered on logging steps only: Engram
+        gate statistics (over the steps since the last call) and the last MoE load imbalance."""
+        stats = engram_metrics(self.model)
+        moe_stats = self.bias_updater.stats()
         if moe_stats:
             # max/mean expert load, averaged over MoE layers, and the worst layer's.
             stats["moe_imbalance"] = moe_stats["moe/load_imbalance/mean"]
@@ -498,7 +506,7 @@ class Trainer:
                 )
                 if not (is_log or is_val):
                     continue
-                record = {"step": self.step, **stats}
+                record = {"step": self.step, **stats, **self.logged_metrics()}
                 record.update(
                     throughput_record(
                         tokens=tokens_per_step * window_steps,
