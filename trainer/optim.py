@@ -77,6 +77,15 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     return optimizer
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of a `build_optimizer` optimizer: the Engram group whose state is offloaded to the
+    CPU (`engram.offload_optimizer_state`) first, then every device group."""
+    offloaded = getattr(optimizer, "engram_offloaded", None)
+    if offloaded is not None:
+        offloaded.step_group(optimizer)
+    optimizer.step()
+
+
 class ExpertBiasUpdater:
     """The aux-loss-free bias update, called once per optimizer step, right before it.
 

@@ -25,7 +25,6 @@ from models.deepseek_v3 import (
     flavor_names,
     flops_per_token,
     get_flavor,
-    mtp_loss,
 )
 from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
@@ -41,7 +40,7 @@ from trainer.metrics import (
     peak_memory_gib,
     throughput_record,
 )
-from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.parallel import (
     ParallelDims,
@@ -350,7 +349,7 @@ class Trainer:
             self.bias_updater.skip()
         else:
             self.bias_updater.step()
-            self.optimizer.step()
+            optimizer_step(self.optimizer)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")

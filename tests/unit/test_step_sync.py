@@ -1,7 +1,11 @@
 """One training step reads device values back to the host at most three times, and the MoE
 combine uses no atomic scatter (index_add / index_put): both stall or serialise a GPU."""
 
+import ast
 import collections
+import inspect
+import re
+import textwrap
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from trainer.train import Trainer
 
 # Tensor methods that copy a device value to the host (each a blocking sync on a GPU).
 HOST_READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "numpy"})
+LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}
 ATOMIC_OPS = ("aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_")
 
 
@@ -96,3 +101,16 @@ def test_the_counter_sees_host_reads():
     with HostReads() as mode:
         x.sum().item(), x.tolist(), float(x[0]), int(x[1]), bool(x[2]), x.nonzero(), x[x > 1]
     assert sum(mode.reads.values()) == 7, dict(mode.reads)
+
+
+def test_train_step_has_no_branch_on_the_layout():
+    # The layout's share of a step belongs to ParallelStep (trainer/parallel/step.py).
+    source = textwrap.dedent(inspect.getsource(Trainer.train_step))
+    branches = [ast.unparse(node.test) for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.If, ast.IfExp))]
+    assert branches  # the parse found the step's own branches (MTP, NaN skip)
+
+    def on_layout(branch: str) -> bool:
+        names = set(re.findall(r"\w+", branch))
+        return bool(names & LAYOUT_NAMES) or any(n.endswith(("_enabled", "_degree", "_mesh")) for n in names)
+
+    assert not [b for b in branches if on_layout(b)], branches

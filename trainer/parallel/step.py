@@ -17,7 +17,6 @@ On one process each of these is a no-op or the plain single-device computation.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
