@@ -13,6 +13,8 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config import load_config
+from trainer.loss import IGNORE_INDEX
+from trainer.parallel import ParallelDims, ParallelStep
 from trainer.train import Trainer
 
 # Tensor methods that copy a device value to the host (each a blocking sync on a GPU).
@@ -114,3 +116,30 @@ def test_train_step_has_no_branch_on_the_layout():
         return bool(names & LAYOUT_NAMES) or any(n.endswith(("_enabled", "_degree", "_mesh")) for n in names)
 
     assert not [b for b in branches if on_layout(b)], branches
+
+
+def test_parallel_step_on_one_process_is_the_plain_computation():
+    dims = ParallelDims.from_config(load_config([]).parallelism, 1)
+    model = torch.nn.Linear(4, 3)
+    model.engram_hasher = None
+    step = ParallelStep(model, dims)
+    inputs = torch.randint(0, 10, (2, 8))
+    labels = inputs.clone()
+    labels[0, :3] = IGNORE_INDEX
+    micro, n_valid, n_mtp = step.prepare([(inputs, labels)], mtp_depth=1)
+    assert micro[0].inputs is inputs and micro[0].labels is labels
+    assert micro[0].model_kwargs == {"engram_ids": None}
+    assert (n_valid.item(), n_mtp.item()) == (13, 12)  # MTP depth 0 scores labels[:, 1:]
+    assert list(step.microbatches(micro)) == micro
+    assert step.reduce_losses(torch.tensor(1.0), torch.tensor(2.0)).tolist() == [1.0, 2.0]
+    counts = torch.arange(4.0)
+    assert step.reduce_counts(counts) is counts and step.validation_all_reduce() is None
+
+    model(torch.randn(5, 4)).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    params = list(model.parameters())
+    norm = step.finish_grads(params, max_norm=0.1)
+    expected = torch.cat([g.flatten() for g in reference]).norm()
+    torch.testing.assert_close(norm, expected)
+    for p, g in zip(params, reference):
+        torch.testing.assert_close(p.grad, g * (0.1 / (expected + 1e-6)))
