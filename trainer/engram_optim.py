@@ -94,6 +94,18 @@ class OffloadedAdam(torch.optim.Optimizer):
         sd["state"] = {k: {n: v for n, v in s.items() if n != "grad_buffer"} for k, s in sd["state"].items()}
         return sd
 
+    def step_group(self, optimizer: torch.optim.Optimizer) -> None:
+        """Updates `optimizer`'s `"engram"` group here (state on the CPU), then drops those grads
+        so that `optimizer.step()` skips the group; `trainer.optim.optimizer_step` calls it."""
+        # Looked up at every step: `optimizer.load_state_dict` replaces the group dicts.
+        (group,) = [g for g in optimizer.param_groups if g.get("engram")]
+        target = self.param_groups[0]
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            target[key] = group[key]  # follows the LR schedule of the device optimizer
+        self.step()
+        for p in group["params"]:
+            p.grad = None
+
     def load_state_dict(self, state_dict) -> None:
         # torch.optim moves loaded state onto each parameter's device; bring it back to the CPU.
         super().load_state_dict(state_dict)
@@ -108,38 +120,19 @@ class OffloadedAdam(torch.optim.Optimizer):
                 state["grad_buffer"] = torch.empty_like(state["master"], pin_memory=pin)
 
 
-class _OffloadedGroupStep:
-    """Optimizer step pre-hook: updates the `"engram"` group with `offloaded` (state on the CPU),
-    then drops those grads so the device optimizer skips the group. If the trainer skips a step
-    (non-finite loss) the hook does not run and `zero_grad` clears the grads as usual."""
-
-    def __init__(self, offloaded: OffloadedAdam):
-        self.offloaded = offloaded
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        # Looked up at every step: `optimizer.load_state_dict` replaces the group dicts.
-        (group,) = [g for g in optimizer.param_groups if g.get("engram")]
-        target = self.offloaded.param_groups[0]
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            target[key] = group[key]  # follows the LR schedule of the device optimizer
-        self.offloaded.step()
-        for p in group["params"]:
-            p.grad = None
-
-
 def offload_engram_group(optimizer: torch.optim.Optimizer) -> OffloadedAdam:
     """Keep the Adam state of `optimizer`'s `"engram"` param group in CPU memory.
 
     The group stays in `optimizer` (LR schedule, `zero_grad`, grad clipping see it as before) but
-    owns no device state: a step pre-hook runs `OffloadedAdam` on it first. The `OffloadedAdam` is
-    returned and kept as `optimizer.engram_offloaded` (`register_table_state_hooks` checkpoints it).
+    owns no device state: `trainer.optim.optimizer_step` runs `OffloadedAdam.step_group` on it
+    first. The `OffloadedAdam` is returned and kept as `optimizer.engram_offloaded`
+    (`register_table_state_hooks` checkpoints it).
     Weight decay is decoupled (AdamW); with the default `engram.weight_decay = 0` it is plain Adam.
     """
     (group,) = [g for g in optimizer.param_groups if g.get("engram")]
     offloaded = OffloadedAdam(
         group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
     )
-    optimizer.register_step_pre_hook(_OffloadedGroupStep(offloaded))
     optimizer.engram_offloaded = offloaded
     return offloaded
 

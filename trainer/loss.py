@@ -22,5 +22,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
-def count_valid(labels: torch.Tensor) -> int:
-    return int((labels != IGNORE_INDEX).sum())
+def count_valid(labels: torch.Tensor) -> torch.Tensor:
+    """Number of scored targets, as an int64 tensor on the labels' device (no host read)."""
+    return (labels != IGNORE_INDEX).sum()

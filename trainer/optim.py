@@ -1,4 +1,4 @@
-"""Optimizer construction and the once-per-step MoE bias update hook."""
+"""Optimizer construction and the once-per-step MoE bias update."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
-from models.moe import moe_modules, update_expert_bias
+from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
 from trainer.engram_optim import offload_engram_group, register_table_state_hooks
 
 
@@ -77,22 +77,36 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     return optimizer
 
 
-class ExpertBiasUpdater:
-    """Runs the aux-loss-free bias update once per optimizer step.
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of a `build_optimizer` optimizer: the Engram group whose state is offloaded to the
+    CPU (`engram.offload_optimizer_state`) first, then every device group."""
+    offloaded = getattr(optimizer, "engram_offloaded", None)
+    if offloaded is not None:
+        offloaded.step_group(optimizer)
+    optimizer.step()
 
-    Registered as an optimizer step pre-hook so it fires exactly when the parameters
-    change, regardless of how many micro-batches accumulated counts. ``reduce_counts``
-    is where a parallel run sums the counts over data and context ranks.
+
+class ExpertBiasUpdater:
+    """The aux-loss-free bias update, called once per optimizer step, right before it.
+
+    ``reduce_counts`` is where a parallel run sums the counts over data and context ranks.
+    The update stays on the device; the load-imbalance statistics are read back only when
+    ``stats()`` is asked for (on logging steps).
     """
 
     def __init__(self, model: nn.Module, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.modules = list(moe_modules(model))
         self.reduce_counts = reduce_counts
-        self.last_stats: dict = {}
+        self._ratios: torch.Tensor | None = None
 
-    def __call__(self, optimizer, args, kwargs) -> None:
+    def step(self) -> None:
         if self.modules:
-            self.last_stats = update_expert_bias(self.modules, self.reduce_counts)
+            self._ratios = apply_expert_bias_update(self.modules, self.reduce_counts)
 
-    def register(self, optimizer: torch.optim.Optimizer):
-        return optimizer.register_step_pre_hook(self)
+    def skip(self) -> None:
+        """A skipped (non-finite) step: its counts must not steer the next update."""
+        reset_expert_counts(self.modules)
+
+    def stats(self) -> dict[str, float]:
+        """Load imbalance of the last update (one host read); empty before the first."""
+        return load_imbalance_stats(self._ratios)

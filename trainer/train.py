@@ -25,7 +25,6 @@ from models.deepseek_v3 import (
     flavor_names,
     flops_per_token,
     get_flavor,
-    mtp_loss,
 )
 from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
@@ -34,8 +33,7 @@ from trainer.memory import check_fits
 from trainer.config.check import check_run_folder
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
-from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
-from trainer.parallel.compile import compiled_cross_entropy_sum
+from trainer.loss import count_valid, cross_entropy_sum
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.metrics import (
     MetricsLogger,
@@ -44,23 +42,14 @@ from trainer.metrics import (
     peak_memory_gib,
     throughput_record,
 )
-from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
 from trainer.profiling import Profiler, StepBreakdown
-from trainer.parallel.distributed import (
+from trainer.parallel import (
+    ParallelDims,
     destroy_distributed,
     init_distributed,
-    all_reduce_sum,
     is_rank0,
     local_rank_from_env,
-)
-from trainer.parallel.expert_parallel import init_expert_weights
-from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
-from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.parallel_dims import ParallelDims
-from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
-from trainer.parallel.parallelize import (
-    build_reduce_counts,
-    load_full_state_dict,
     parallelize_model,
 )
 from trainer.runtime import (
@@ -151,7 +140,6 @@ class Trainer:
                 logger.warning("training.cpu_keep_freed_memory: the C library is not glibc; its malloc is left as it is")
         self.parallel_dims.build_meshes(self.device.type)
         self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
-        self.loss_mesh = self.parallel_dims.mesh_or_none("loss")
         if cfg.model.attn_backend == "flex" and self.device.type != "cuda":
             raise ConfigError(
                 "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
@@ -170,24 +158,8 @@ class Trainer:
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
-        parallelize_model(model, self.parallel_dims, cfg, self.device.type)
-        model.to_empty(device=self.device)
-        # Seed again so the weights do not depend on what ran before the build.
-        torch.manual_seed(t.seed)
-        model.init_weights()
-        if world_size > 1 and self.device.type == "cpu":
-            # CPU runs are small: draw the single-process weights and copy in each rank's part,
-            # so any layout starts exactly where one process would (sharded CPU random init
-            # repeats values across shards).
-            with torch.device("meta"):
-                full = DeepSeekV3Model(self.model_args)
-            full.to_empty(device="cpu")
-            torch.manual_seed(t.seed)
-            full.init_weights()
-            load_full_state_dict(model, full.state_dict())
-            del full
-        elif self.parallel_dims.ep_enabled:
-            init_expert_weights(model, t.seed)  # distinct values for every global expert
+        model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type)
+        self.parallel.materialize(self.device, t.seed, lambda: DeepSeekV3Model(self.model_args))
         model.train()
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
@@ -206,17 +178,10 @@ class Trainer:
         # [training] compile: parallelize_model compiled every block before to_empty, which is
         # fine because compilation is lazy (traced at the first step, on the real weights); the
         # loss gets its compiled twin here (docs/compile.md).
-        # Under TP the logits are vocab-sharded DTensors (loss_parallel): no compiled loss there.
-        self.loss_fn = compiled_cross_entropy_sum() if t.compile and not self.parallel_dims.tp_enabled else cross_entropy_sum
-        self.context_parallel = (
-            ContextParallel.for_model(self.parallel_dims.mesh("context"), self.model_args)
-            if self.parallel_dims.context_enabled
-            else None
-        )
+        self.loss_fn = self.parallel.loss_function(t.compile)
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.bias_updater = ExpertBiasUpdater(model, build_reduce_counts(self.parallel_dims))
-        self.bias_updater.register(self.optimizer)
+        self.bias_updater = ExpertBiasUpdater(model, self.parallel.reduce_counts)
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
         self.train_loader = build_dataloader(
@@ -242,7 +207,9 @@ class Trainer:
         self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
         self.step = 0
         self._log_run_header(tokenizer_path, global_batch)
-        self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
+        # The guard sees the global loss and grad norm (already reduced over every rank), so
+        # all ranks decide alike without a collective of its own.
+        self.nonfinite = NonFiniteGuard(t.max_skipped_steps, agree=lambda bad: bad)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
@@ -275,37 +242,17 @@ class Trainer:
                 infinite=False,
             )
 
-        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self._validation_all_reduce())
+        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.validation_all_reduce())
 
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count
-        for one full batch, in the run's layout: the context split and loss parallelism are
-        applied as in `train_step`, so the sums over the "loss" mesh are the global ones."""
-        hasher = self.model.engram_hasher
-        engram_ids = hasher(inputs) if hasher is not None else None
-        extra = {}
-        if self.context_parallel is not None:
-            shard = self.context_parallel.shard_batch(inputs, labels, engram_ids)
-            inputs, labels, engram_ids = shard.tokens, shard.labels, shard.engram_ids
-            extra = {"positions": shard.positions, "attn_mask": shard.attn_mask}
-        tp = self.parallel_dims.tp_enabled
-        with self.autocast(), maybe_loss_parallel(tp):
-            logits = self.model(inputs, engram_ids=engram_ids, **extra).logits
-            loss_sum = replicated_value(cross_entropy_sum(logits, labels))
-        return loss_sum, count_valid(labels)
-
-    def _validation_all_reduce(self):
-        """Sum / min over the "loss" mesh for the validator (None on one rank)."""
-        if self.loss_mesh is None:
-            return None
-        group = self.loss_mesh.get_group()
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
-
-        def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-            torch.distributed.all_reduce(tensor, op=ops[op], group=group)
-            return tensor
-
-        return all_reduce
+        for one full batch, in the run's layout (as in `train_step`), so the sums over the
+        "loss" mesh are the global ones."""
+        mb = self.parallel.prepare_batch(inputs, labels)
+        with self.autocast(), self.parallel.loss_context():
+            logits = self.model(mb.inputs, **mb.model_kwargs).logits
+            loss_sum = self.parallel.value(cross_entropy_sum(logits, mb.labels))
+        return loss_sum, int(count_valid(mb.labels))
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -361,85 +308,53 @@ class Trainer:
         return batches, time.perf_counter() - start
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        depth = self.model_args.mtp_depth
-        cp = self.context_parallel
-        # Engram ids are hashed from the full sequences, before any context split (n-grams cross chunk borders).
-        hasher = self.model.engram_hasher
-        engram_ids = [hasher(inputs) if hasher is not None else None for inputs, _ in batches]
-        # Context parallelism: keep this rank's head-tail chunks of every sequence (counts are then local).
-        shards = (
-            [cp.shard_batch(inputs, labels, ids) for (inputs, labels), ids in zip(batches, engram_ids)]
-            if cp is not None
-            else None
-        )
-        if shards is not None:
-            batches = [(shard.tokens, shard.labels) for shard in shards]
-            engram_ids = [shard.engram_ids for shard in shards]
-        n_valid = sum(count_valid(labels) for _, labels in batches)
-        # MTP depth k predicts labels shifted by k+1, so its last k+1 positions have no target.
-        if shards is None:
-            n_valid_mtp = sum(count_valid(labels[:, k + 1 :]) for _, labels in batches for k in range(depth))
-        else:
-            n_valid_mtp = sum(count_valid(t) for shard in shards for t in shard.mtp_labels)
-        if self.loss_mesh is not None:
-            # Every rank divides by the global counts (all data and context ranks), so the
-            # summed gradients are those of the global mean.
-            counts = torch.tensor([n_valid, n_valid_mtp], dtype=torch.float64, device=self.device)
-            n_valid, n_valid_mtp = (int(c) for c in all_reduce_sum(counts, self.loss_mesh).tolist())
+        """Forward and backward of every micro-batch, then one optimizer step; the layout's
+        share (batch split, global counts and sums, gradient finishing) is `self.parallel`'s."""
+        micro, n_valid, n_valid_mtp = self.parallel.prepare(batches, self.model_args.mtp_depth)
+        aux_scale = 1.0 / (len(micro) * self.parallel.loss_degree)  # per-rank balance means -> global
         loss_total = torch.zeros((), device=self.device)
         mtp_total = torch.zeros((), device=self.device)
-        tp = self.parallel_dims.tp_enabled
-        for i, (inputs, labels) in enumerate(batches):
-            shard = {} if shards is None else {"positions": shards[i].positions, "attn_mask": shards[i].attn_mask}
-            with self.autocast(), maybe_loss_parallel(tp):
-                out = self.model(inputs, labels=labels, engram_ids=engram_ids[i], **shard)
-                loss = self.loss_fn(out.logits, labels) / n_valid
-                if self.step == self.cfg.training.debug_inject_nan_step:
-                    loss = loss * float("nan")
-                # Per-rank balance losses are means over local sequences: average them over ranks too.
-                objective = loss + out.aux_loss / (len(batches) * self.parallel_dims.loss_degree)
-                if out.mtp_logits:
-                    if shards is None:
-                        mtp_sum, _ = mtp_loss(out.mtp_logits, labels, ignore_index=IGNORE_INDEX)
-                    else:  # targets shifted on the full sequence, then sharded
-                        mtp_sum = sum(map(cross_entropy_sum, out.mtp_logits, shards[i].mtp_labels))
-                    mtp = mtp_sum / max(n_valid_mtp, 1)
-                    objective = objective + self.cfg.model.mtp_loss_weight * mtp
-                    mtp_total += replicated_value(mtp.detach())
-            with maybe_loss_parallel(tp):
+        with self.parallel.loss_context():
+            for mb in self.parallel.microbatches(micro):
+                with self.autocast():
+                    out = self.model(mb.inputs, labels=mb.labels, **mb.model_kwargs)
+                    loss = self.loss_fn(out.logits, mb.labels) / n_valid
+                    if self.step == self.cfg.training.debug_inject_nan_step:
+                        loss = loss * float("nan")
+                    objective = loss + out.aux_loss * aux_scale
+                    if out.mtp_logits:
+                        mtp = mb.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
+                        objective = objective + self.cfg.model.mtp_loss_weight * mtp
+                        mtp_total += self.parallel.value(mtp.detach())
                 objective.backward()
-            loss_total += replicated_value(loss.detach())
+                loss_total += self.parallel.value(loss.detach())
         self.breakdown.mark("forward_backward")
-        max_norm = self.cfg.training.max_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if tp:
-            replicate_partial_grads(params)
-        if self.loss_mesh is not None:
-            totals = all_reduce_sum(torch.stack([loss_total, mtp_total]), self.loss_mesh)
-            loss_total, mtp_total = totals[0], totals[1]
-        reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
-        # Parameters may live on several meshes (dense "fsdp", experts "efsdp" x "ep"), which
-        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU (and
-        # counts each row-sharded Engram table shard once).
-        grad_norm = clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
+        totals = self.parallel.reduce_losses(loss_total, mtp_total)
+        grad_norm = self.parallel.finish_grads(params, self.cfg.training.max_norm)
         self.breakdown.mark("reduce_clip")
         lr = self.optimizer.param_groups[0]["lr"]
-        # Checked before the step, so a NaN never reaches the weights (nor, through the
-        # optimizer pre-hook, the MoE bias). The schedule still advances: LR stays a function of the step.
-        skipped = self.nonfinite.should_skip(self.step, float(loss_total), float(grad_norm))
-        if skipped:
-            for moe in self.bias_updater.modules:
-                moe.tokens_per_expert.zero_()
+        # The step's one host read. Checked before the step, so a NaN never reaches the weights
+        # nor the MoE bias. The schedule still advances: LR stays a function of the step.
+        loss_value, mtp_value, norm_value = torch.cat([totals, grad_norm.to(totals).view(1)]).tolist()
+        if self.nonfinite.should_skip(self.step, loss_value, norm_value):
+            self.bias_updater.skip()
         else:
-            self.optimizer.step()
+            self.bias_updater.step()
+            optimizer_step(self.optimizer)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")
-        stats = {"loss": float(loss_total), "grad_norm": float(grad_norm), "lr": lr}
-        if depth:
-            stats["mtp_loss"] = float(mtp_total)
-        stats.update(engram_metrics(self.model))
-        moe_stats = self.bias_updater.last_stats
+        stats = {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
+        if self.model_args.mtp_depth:
+            stats["mtp_loss"] = mtp_value
+        return stats
+
+    def logged_metrics(self) -> dict:
+        """Metrics that need host reads of their own, gathered on logging steps only: Engram
+        gate statistics (over the steps since the last call) and the last MoE load imbalance."""
+        stats = engram_metrics(self.model)
+        moe_stats = self.bias_updater.stats()
         if moe_stats:
             # max/mean expert load, averaged over MoE layers, and the worst layer's.
             stats["moe_imbalance"] = moe_stats["moe/load_imbalance/mean"]
@@ -491,7 +406,7 @@ class Trainer:
                 )
                 if not (is_log or is_val):
                     continue
-                record = {"step": self.step, **stats}
+                record = {"step": self.step, **stats, **self.logged_metrics()}
                 record.update(
                     throughput_record(
                         tokens=tokens_per_step * window_steps,

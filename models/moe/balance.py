@@ -37,9 +37,20 @@ def update_expert_bias(
         `moe/load_imbalance/max` and `moe/load_imbalance/mean` over layers.
         Empty when there are no MoE blocks.
     """
+    return load_imbalance_stats(apply_expert_bias_update(moe_modules, reduce_counts))
+
+
+@torch.no_grad()
+def apply_expert_bias_update(
+    moe_modules: Iterable[MoE],
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """`update_expert_bias` without reading anything back to the host: returns the per-layer
+    load imbalance as a device tensor (None without MoE blocks), for `load_imbalance_stats`
+    to read only when it is logged."""
     modules = list(moe_modules)
     if not modules:
-        return {}
+        return None
     counts = torch.cat([m.tokens_per_expert for m in modules])
     if reduce_counts is not None:
         counts = reduce_counts(counts)
@@ -53,10 +64,21 @@ def update_expert_bias(
         module.tokens_per_expert.zero_()
         # A layer that saw no tokens reports 0 rather than 0/0.
         ratios.append(layer_counts.max() / mean.clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.stack(ratios)
 
-    ratios_t = torch.stack(ratios)
-    values = torch.cat([ratios_t, ratios_t.max().view(1), ratios_t.mean().view(1)]).tolist()
+
+def load_imbalance_stats(ratios: torch.Tensor | None) -> dict[str, float]:
+    """The statistics of `update_expert_bias` from `apply_expert_bias_update`'s ratios (one host read)."""
+    if ratios is None:
+        return {}
+    values = torch.cat([ratios, ratios.max().view(1), ratios.mean().view(1)]).tolist()
     stats = {f"moe/load_imbalance/layer_{i}": v for i, v in enumerate(values[:-2])}
     stats["moe/load_imbalance/max"] = values[-2]
     stats["moe/load_imbalance/mean"] = values[-1]
     return stats
+
+
+def reset_expert_counts(moe_modules: Iterable[MoE]) -> None:
+    """Drop the token counts of a step whose update is skipped (a non-finite step)."""
+    for module in moe_modules:
+        module.tokens_per_expert.zero_()

@@ -223,10 +223,11 @@ def run_checkpoint(
     from trainer.checkpoint import CheckpointManager
     from trainer.config import load_config
     from trainer.lr_schedule import build_lr_scheduler
-    from trainer.optim import build_optimizer
+    from trainer.optim import build_optimizer, optimizer_step
     from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
     from trainer.parallel.parallel_dims import ParallelDims
-    from trainer.parallel.parallelize import load_full_state_dict, parallelize_model
+    from trainer.parallel.parallelize import parallelize_model
+    from trainer.parallel.step import load_full_state_dict
 
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
@@ -261,7 +262,7 @@ def run_checkpoint(
             loss.backward()
             reduce_table_grads(model)
             clip_grad_norm_with_tables([p for p in model.parameters() if p.grad is not None], 1.0, model)
-            optimizer.step()
+            optimizer_step(optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             total = loss.detach().clone()

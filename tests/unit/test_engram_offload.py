@@ -9,7 +9,7 @@ from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_table_params
 from trainer.config import load_config
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.optim import build_optimizer
+from trainer.optim import build_optimizer, optimizer_step
 
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=37, head_dim=4)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -41,7 +41,7 @@ def _train(model, opt, sched, device, steps=3, seed=3):
         out = model(tokens, engram_ids=hasher(tokens))
         torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
-        opt.step()
+        optimizer_step(opt)
         sched.step()
         opt.zero_grad(set_to_none=True)
 

@@ -1,0 +1,21 @@
+"""Parallelism applied to the single-device model, and the step's layout work.
+
+The trainer uses only these entry points; the ``apply_*`` modules behind them are details.
+"""
+
+from trainer.parallel.distributed import destroy_distributed, init_distributed, is_rank0, local_rank_from_env
+from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
+from trainer.parallel.parallelize import parallelize_model
+from trainer.parallel.step import MicroBatch, ParallelStep
+
+__all__ = [
+    "MicroBatch",
+    "ParallelDims",
+    "ParallelDimsError",
+    "ParallelStep",
+    "destroy_distributed",
+    "init_distributed",
+    "is_rank0",
+    "local_rank_from_env",
+    "parallelize_model",
+]

@@ -184,7 +184,7 @@ def init_expert_weights(model: nn.Module, seed: int) -> None:
     the FSDP ranks that share the experts. Only this rank's ``E / ep`` experts are drawn, and
     only its FSDP chunk of them is kept (FSDP2 splits dim 0 with ``torch.chunk`` on each mesh dim
     before "ep", the last one). CPU runs instead copy the single-process weights
-    (``parallelize.load_full_state_dict``).
+    (``step.load_full_state_dict``).
     """
     for block, moe in _blocks_with_moe(model):
         start, stop = moe.dispatcher.local_expert_range

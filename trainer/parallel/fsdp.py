@@ -19,7 +19,9 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -60,6 +62,7 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shards ``model`` in place.
 
@@ -68,6 +71,7 @@ def apply_fsdp(
         expert_mesh: mesh for routed experts when EP is on ("efsdp" or "ehsdp"); None = experts
             are sharded with their block on ``dense_mesh``.
         reshard_after_forward: "default" (all but the root), "always", "never".
+        ignored_params: parameters FSDP leaves alone (plain fp32 tensors, never gathered).
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
@@ -82,13 +86,19 @@ def apply_fsdp(
         if expert_mesh is not None:
             for sub in block.modules():
                 if isinstance(sub, MoE):
-                    fully_shard(sub.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
+                    fully_shard(
+                        sub.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                        ignored_params=ignored_params,
+                    )
                     _set_sum_reduction(sub.experts)
                     expert_units[i] = sub.experts
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored_params)
         _set_sum_reduction(block)
         units.append(block)
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp)
+    fully_shard(
+        model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp,
+        ignored_params=ignored_params,
+    )
     _set_sum_reduction(model)
 
     if expert_units:
@@ -106,6 +116,24 @@ def apply_fsdp(
             if i - 1 in expert_units:
                 prev.append(expert_units[i - 1])
             units[i].set_modules_to_backward_prefetch(prev)
+
+
+def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
+    """Whether FSDP frees the gathered weights after the next backward (every unit of ``model``)."""
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(reshard)
+
+
+def one_process_mesh(device_type: str):
+    """A one-rank "fsdp" mesh for a single-process run, over a one-rank process group made here
+    (an in-memory store: no port, no launcher) unless one exists. FSDP2 on it shards nothing;
+    what it adds is the mixed-precision cast of every weight once per unshard instead of
+    autocast's cast at every use."""
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device_type == "cuda" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
 
 
 def _shard_groups(param: torch.Tensor) -> tuple:

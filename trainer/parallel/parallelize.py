@@ -5,39 +5,36 @@ House order (`docs/architecture.md`), all on the meta-device model:
     float8 -> TP -> EP -> CP -> AC -> compile -> Engram tables -> FSDP2/HSDP   (then to_empty + init)
 
 Each step is an ``apply_*`` of its own file; this module only decides which apply and on which
-mesh. Also here: the all-reduce the MoE bias update needs, and loading a full (single-device)
-state dict into the parallel model, which makes CPU runs start from exactly the weights a
-single process would draw.
+mesh, and hands the step's layout work to a ``ParallelStep``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.engram import engram_table_params
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.context_parallel import apply_context_parallel
-from trainer.parallel.distributed import all_reduce_sum
 from trainer.parallel.engram_parallel import (
     apply_engram_parallel,
     replicate_engram_tables,
-    table_row_ranges,
     tables_hidden_from_fsdp,
 )
 from trainer.parallel.expert_parallel import apply_expert_parallel
-from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.fsdp import apply_fsdp, one_process_mesh
 from trainer.parallel.parallel_dims import ParallelDims
+from trainer.parallel.step import ParallelStep
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device_type: str = "cpu") -> nn.Module:
-    """Applies every configured parallelism to ``model`` in place (and returns it).
+def parallelize_model(
+    model: nn.Module, parallel_dims: ParallelDims, cfg, device_type: str = "cpu"
+) -> tuple[nn.Module, ParallelStep]:
+    """Applies every configured parallelism to ``model`` in place; returns it and the
+    ``ParallelStep`` that does the step's layout work (trainer/parallel/step.py).
 
     ``cfg`` is the JobConfig; this reads ``[quantize]``, ``[parallelism]``, ``[activation_checkpoint]`` and
     ``training.compile`` / ``training.mixed_precision_param``. Meshes are built here if the
@@ -59,9 +56,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.mesh("ep"))
 
+    context_parallel = None
     if dims.context_enabled:
-        # The trainer splits batches with ContextParallel.for_model (train.py).
-        apply_context_parallel(model, dims.mesh("context"))
+        context_parallel = apply_context_parallel(model, dims.mesh("context"))
 
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
 
@@ -90,39 +87,18 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, cfg, device
                 reduce_dtype=torch.float32,
                 reshard_after_forward=p.fsdp_reshard_after_forward,
             )
-    return model
-
-
-def build_reduce_counts(parallel_dims: ParallelDims) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The ``reduce_counts`` of ``ExpertBiasUpdater``: a sum over the "loss" mesh (every rank
-    that routed different tokens), or None on one rank."""
-    mesh = parallel_dims.mesh_or_none("loss")
-    if mesh is None:
-        return None
-    return functools.partial(all_reduce_sum, mesh_or_group=mesh.get_group())
-
-
-def _clean(name: str) -> str:
-    # checkpoint_wrapper and torch.compile insert these into parameter names.
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copies single-device tensors (``full[name]``) into the parallel model in place: each
-    DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    table_rows = table_row_ranges(model, _clean)  # Engram tables may hold a row range only
-    for raw_name, tensor in tensors.items():
-        name = _clean(raw_name)
-        if name not in full:
-            continue
-        src = full[name]
-        if name in table_rows:
-            src = src[slice(*table_rows[name])]
-        if isinstance(tensor, DTensor):
-            local = distribute_tensor(src.to(tensor.device), tensor.device_mesh, tensor.placements).to_local()
-            tensor.to_local().copy_(local)
-        else:
-            tensor.copy_(src)
+    one_process_fsdp = dims.world_size == 1 and cfg.training.mixed_precision_param == "bfloat16"
+    if one_process_fsdp:
+        # One process, bf16: FSDP2 on a one-rank mesh casts each weight to bf16 once per step
+        # (kept from forward to backward), where autocast alone casts fp32 weights at every use.
+        # Master weights, gradients and optimizer state stay fp32. Engram tables stay plain
+        # fp32: a lookup reads a few rows, casting the whole table would cost more.
+        apply_fsdp(
+            model,
+            one_process_mesh(device_type),
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            reshard_after_forward="never",
+            ignored_params=set(engram_table_params(model)),
+        )
+    return model, ParallelStep(model, dims, context_parallel, keep_weights_between_microbatches=one_process_fsdp)

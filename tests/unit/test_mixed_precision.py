@@ -1,0 +1,59 @@
+"""bf16 on one process: FSDP2's mixed precision casts every weight once per step (not at every
+use, as autocast alone does), while master weights, gradients and optimizer state stay fp32."""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.config import load_config
+from trainer.mixed_precision import weight_cast_bytes
+from trainer.train import Trainer
+
+
+def _trainer(tmp_path, precision: str, local_batch: int = 2) -> Trainer:
+    cfg = load_config(
+        [
+            "--job.config_file", "train_configs/debug_model.toml",
+            "--job.dump_folder", str(tmp_path / precision),
+            "--training.seq_len", "32",
+            "--training.local_batch_size", str(local_batch),
+            "--training.global_batch_size", "2",
+            "--training.mixed_precision_param", precision,
+            "--training.steps", "2",
+            "--no-validation.enable",
+            "--no-job.print_config",
+        ]
+    )
+    return Trainer(cfg)
+
+
+def _step_cast_bytes(trainer: Trainer) -> tuple[int, dict]:
+    trainer.train_iter = iter(trainer.train_loader)
+    trainer.step = 1
+    batches, _ = trainer.next_microbatches()
+    stats = {}
+    return weight_cast_bytes(trainer.model, lambda: stats.update(trainer.train_step(batches))), stats
+
+
+def test_bf16_casts_each_weight_once_per_step_and_keeps_fp32_state(tmp_path):
+    trainer = _trainer(tmp_path, "bfloat16", local_batch=1)  # 2 micro-batches: still one cast
+    try:
+        assert trainer.grad_accum_steps == 2
+        params = list(trainer.model.parameters())
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
+        cast, stats = _step_cast_bytes(trainer)
+        assert cast == sum(2 * p.numel() for p in params)
+        assert stats["loss"] > 0
+        state = [s for s in trainer.optimizer.state.values() if "exp_avg" in s]
+        assert state and all(s["exp_avg"].dtype == torch.float32 for s in state)
+        assert all(p.grad is None for p in params)  # zeroed after the step; grads were fp32
+    finally:
+        trainer.close()
+
+
+def test_fp32_run_is_not_wrapped_and_casts_nothing(tmp_path):
+    trainer = _trainer(tmp_path, "float32")
+    try:
+        assert not any(isinstance(p, DTensor) for p in trainer.model.parameters())
+        assert _step_cast_bytes(trainer)[0] == 0
+    finally:
+        trainer.close()

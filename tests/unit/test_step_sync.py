@@ -1,0 +1,144 @@
+"""One training step reads device values back to the host at most three times, and the MoE
+combine uses no atomic scatter (index_add / index_put): both stall or serialise a GPU."""
+
+import ast
+import collections
+import inspect
+import re
+import textwrap
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
+
+from trainer.config import load_config
+from trainer.loss import IGNORE_INDEX
+from trainer.parallel import ParallelDims, ParallelStep
+from trainer.train import Trainer
+
+# Tensor methods that copy a device value to the host (each a blocking sync on a GPU).
+HOST_READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "numpy"})
+LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}
+ATOMIC_OPS = ("aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts Python-level reads of tensor values (boolean-mask indexing included, whose
+    output size depends on the data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or (name == "__getitem__" and _has_mask(args[1:])):
+            self.reads[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _has_mask(index) -> bool:
+    items = index[0] if index and isinstance(index[0], tuple) else index
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _trainer(tmp_path, *extra: str) -> Trainer:
+    cfg = load_config(
+        [
+            "--job.config_file", "train_configs/debug_model.toml",
+            "--job.dump_folder", str(tmp_path / "run"),
+            "--model.use_grouped_mm",
+            "--training.seq_len", "64",
+            "--training.local_batch_size", "2",
+            "--training.mixed_precision_param", "float32",
+            "--training.steps", "2",
+            "--no-validation.enable",
+            "--no-job.print_config",
+            *extra,
+        ]
+    )
+    return Trainer(cfg)
+
+
+def _profiled_step(trainer: Trainer):
+    """Profiles and counts the second step (the first creates the optimizer state)."""
+    trainer.train_iter = iter(trainer.train_loader)
+    trainer.step = 1
+    trainer.train_step(trainer.next_microbatches()[0])
+    trainer.step = 2
+    batches, _ = trainer.next_microbatches()
+    reads = HostReads()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, reads:
+        stats = trainer.train_step(batches)
+    ops = collections.Counter()
+    for event in prof.events():
+        ops[event.name] += 1
+    return stats, reads.reads, ops
+
+
+@pytest.fixture(scope="module")
+def local_step(tmp_path_factory):
+    trainer = _trainer(tmp_path_factory.mktemp("sync"))
+    try:
+        yield _profiled_step(trainer)
+    finally:
+        trainer.close()
+
+
+def test_one_step_reads_the_device_at_most_three_times(local_step):
+    stats, reads, _ = local_step
+    assert sum(reads.values()) <= 3, dict(reads)
+    assert stats["loss"] > 0 and stats["grad_norm"] > 0
+
+
+def test_one_step_has_no_atomic_scatter(local_step):
+    _, _, ops = local_step
+    assert not {op: n for op, n in ops.items() if op in ATOMIC_OPS}
+
+
+def test_the_counter_sees_host_reads():
+    x = torch.arange(4.0)
+    with HostReads() as mode:
+        x.sum().item(), x.tolist(), float(x[0]), int(x[1]), bool(x[2]), x.nonzero(), x[x > 1]
+    assert sum(mode.reads.values()) == 7, dict(mode.reads)
+
+
+def test_train_step_has_no_branch_on_the_layout():
+    # The layout's share of a step belongs to ParallelStep (trainer/parallel/step.py).
+    source = textwrap.dedent(inspect.getsource(Trainer.train_step))
+    branches = [ast.unparse(node.test) for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.If, ast.IfExp))]
+    assert branches  # the parse found the step's own branches (MTP, NaN skip)
+
+    def on_layout(branch: str) -> bool:
+        names = set(re.findall(r"\w+", branch))
+        return bool(names & LAYOUT_NAMES) or any(n.endswith(("_enabled", "_degree", "_mesh")) for n in names)
+
+    assert not [b for b in branches if on_layout(b)], branches
+
+
+def test_parallel_step_on_one_process_is_the_plain_computation():
+    dims = ParallelDims.from_config(load_config([]).parallelism, 1)
+    model = torch.nn.Linear(4, 3)
+    model.engram_hasher = None
+    step = ParallelStep(model, dims)
+    inputs = torch.randint(0, 10, (2, 8))
+    labels = inputs.clone()
+    labels[0, :3] = IGNORE_INDEX
+    micro, n_valid, n_mtp = step.prepare([(inputs, labels)], mtp_depth=1)
+    assert micro[0].inputs is inputs and micro[0].labels is labels
+    assert micro[0].model_kwargs == {"engram_ids": None}
+    assert (n_valid.item(), n_mtp.item()) == (13, 12)  # MTP depth 0 scores labels[:, 1:]
+    assert list(step.microbatches(micro)) == micro
+    assert step.reduce_losses(torch.tensor(1.0), torch.tensor(2.0)).tolist() == [1.0, 2.0]
+    counts = torch.arange(4.0)
+    assert step.reduce_counts(counts) is counts and step.validation_all_reduce() is None
+
+    model(torch.randn(5, 4)).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    params = list(model.parameters())
+    norm = step.finish_grads(params, max_norm=0.1)
+    expected = torch.cat([g.flatten() for g in reference]).norm()
+    torch.testing.assert_close(norm, expected)
+    for p, g in zip(params, reference):
+        torch.testing.assert_close(p.grad, g * (0.1 / (expected + 1e-6)))

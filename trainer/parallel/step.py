@@ -1,0 +1,209 @@
+"""What one training step owes the parallel layout (docs/architecture.md: config -> build ->
+parallelize -> step -> loop).
+
+``parallelize_model`` returns a ``ParallelStep`` with the model. The trainer's step calls it at
+fixed points and never asks which parallelisms are on:
+
+- ``materialize``: real storage and the initial weights of the parallelized model;
+- ``prepare``: Engram hashing (on the full sequences: n-grams cross chunk borders), the
+  context-parallel split and the global valid-token counts, all before the first backward;
+- ``loss_context``: loss parallelism around the step's forwards and backwards (entered once);
+- ``microbatches``: what FSDP does between micro-batches;
+- ``reduce_losses`` / ``finish_grads``: the global loss sums, TP partial grads, Engram table
+  grads and the gradient clip across every mesh.
+
+On one process each of these is a no-op or the plain single-device computation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.deepseek_v3 import mtp_loss
+from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
+from trainer.parallel.compile import compiled_cross_entropy_sum
+from trainer.parallel.context_parallel import ContextParallel
+from trainer.parallel.distributed import all_reduce_sum
+from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads, table_row_ranges
+from trainer.parallel.expert_parallel import init_expert_weights
+from trainer.parallel.fsdp import set_reshard_after_backward
+from trainer.parallel.parallel_dims import ParallelDims
+from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as this rank feeds it to the model."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    model_kwargs: dict = field(default_factory=dict)
+    """Engram ids and, under context parallelism, global positions and the attention mask."""
+    mtp_labels: list[torch.Tensor] | None = None
+    """Context parallelism: MTP targets shifted on the full sequence, then split (None: shift here)."""
+
+    def mtp_targets(self, depth: int) -> list[torch.Tensor]:
+        """Depth k predicts labels shifted by k + 1: its last k + 1 positions have no target."""
+        if self.mtp_labels is not None:
+            return self.mtp_labels
+        return [self.labels[:, k + 1 :] for k in range(depth)]
+
+    def mtp_loss_sum(self, mtp_logits: list[torch.Tensor]) -> torch.Tensor:
+        if self.mtp_labels is None:
+            return mtp_loss(mtp_logits, self.labels, ignore_index=IGNORE_INDEX)[0]
+        return sum(map(cross_entropy_sum, mtp_logits, self.mtp_labels))
+
+
+class ParallelStep:
+    def __init__(
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        context_parallel: ContextParallel | None = None,
+        keep_weights_between_microbatches: bool = False,
+    ):
+        self.model = model
+        self.dims = dims
+        self.loss_mesh = dims.mesh_or_none("loss")
+        self.context_parallel = context_parallel
+        self.keep_weights = keep_weights_between_microbatches
+
+    def loss_function(self, compile: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The summed cross-entropy, compiled under ``training.compile`` (its blocks were compiled
+        by ``parallelize_model``); not under TP, whose logits are vocab-sharded DTensors."""
+        if compile and not self.dims.tp_enabled:
+            return compiled_cross_entropy_sum()
+        return cross_entropy_sum
+
+    @property
+    def loss_degree(self) -> int:
+        """Ranks whose per-rank means (the MoE balance loss) are averaged into the global one."""
+        return self.dims.loss_degree
+
+    def materialize(self, device: torch.device, seed: int, build_reference: Callable[[], nn.Module]) -> None:
+        """Allocates the parallelized (meta) model on ``device`` and draws its initial weights;
+        ``build_reference`` builds the single-device model on the meta device."""
+        model = self.model
+        model.to_empty(device=device)
+        # Seed again so the weights do not depend on what ran before the build.
+        torch.manual_seed(seed)
+        model.init_weights()
+        if self.dims.world_size > 1 and device.type == "cpu":
+            # CPU runs are small: draw the single-process weights and copy in each rank's part,
+            # so any layout starts exactly where one process would (sharded CPU random init
+            # repeats values across shards).
+            with torch.device("meta"):
+                full = build_reference()
+            full.to_empty(device="cpu")
+            torch.manual_seed(seed)
+            full.init_weights()
+            load_full_state_dict(model, full.state_dict())
+        elif self.dims.ep_enabled:
+            init_expert_weights(model, seed)  # distinct values for every global expert
+
+    def prepare_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
+        hasher = self.model.engram_hasher
+        engram_ids = hasher(inputs) if hasher is not None else None
+        cp = self.context_parallel
+        if cp is None:
+            return MicroBatch(inputs, labels, {"engram_ids": engram_ids})
+        # Keep this rank's head-tail chunks of every sequence.
+        shard = cp.shard_batch(inputs, labels, engram_ids)
+        kwargs = {"engram_ids": shard.engram_ids, "positions": shard.positions, "attn_mask": shard.attn_mask}
+        return MicroBatch(shard.tokens, shard.labels, kwargs, shard.mtp_labels)
+
+    def prepare(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], mtp_depth: int
+    ) -> tuple[list[MicroBatch], torch.Tensor, torch.Tensor]:
+        """The step's micro-batches and its global counts of valid next-token and MTP targets
+        (fp32 device scalars; exact up to 2^24 tokens per step; no host read)."""
+        micro = [self.prepare_batch(inputs, labels) for inputs, labels in batches]
+        device = micro[0].labels.device
+        n_valid = sum(count_valid(mb.labels) for mb in micro)
+        n_mtp = sum(count_valid(t) for mb in micro for t in mb.mtp_targets(mtp_depth))
+        counts = torch.stack([torch.as_tensor(n, device=device) for n in (n_valid, n_mtp)])
+        # Every rank divides by the global counts (all data and context ranks), so the summed
+        # gradients are those of the global mean.
+        n_valid, n_mtp = all_reduce_sum(counts, self.loss_mesh).float().unbind()
+        return micro, n_valid, n_mtp.clamp_min(1)
+
+    def loss_context(self):
+        """Loss parallelism (vocab-sharded logits under TP) around forwards and backwards."""
+        return maybe_loss_parallel(self.dims.tp_enabled)
+
+    def microbatches(self, micro: list[MicroBatch]) -> Iterator[MicroBatch]:
+        """``micro`` in order; where FSDP only casts (one process), its bf16 weights stay
+        gathered until the last backward: one cast per step, not per micro-batch."""
+        for i, mb in enumerate(micro):
+            if self.keep_weights:
+                set_reshard_after_backward(self.model, i == len(micro) - 1)
+            yield mb
+
+    @staticmethod
+    def value(t: torch.Tensor) -> torch.Tensor:
+        """The plain (replicated) value of a loss computed under ``loss_context``."""
+        return replicated_value(t)
+
+    def reduce_losses(self, *losses: torch.Tensor) -> torch.Tensor:
+        """Sums of this rank's step losses over all ranks, stacked."""
+        return all_reduce_sum(torch.stack(losses), self.loss_mesh)
+
+    def finish_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Makes every gradient final (TP partial sums, Engram table replicas) and clips them by
+        their global norm (``max_norm <= 0``: measure only); returns the norm before clipping."""
+        if self.dims.tp_enabled:
+            replicate_partial_grads(params)
+        reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
+        # Parameters may live on several meshes (dense "fsdp", experts "efsdp" x "ep"), which
+        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU (and
+        # counts each row-sharded Engram table shard once).
+        return clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
+
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """In-place sum of MoE token counts over every rank that routed different tokens."""
+        return all_reduce_sum(counts, self.loss_mesh)
+
+    def validation_all_reduce(self) -> Callable[[torch.Tensor, str], torch.Tensor] | None:
+        """Sum / min over the "loss" mesh for the validator (None on one rank)."""
+        if self.loss_mesh is None:
+            return None
+        group = self.loss_mesh.get_group()
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
+
+        def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+            torch.distributed.all_reduce(tensor, op=ops[op], group=group)
+            return tensor
+
+        return all_reduce
+
+
+def _clean(name: str) -> str:
+    # checkpoint_wrapper and torch.compile insert these into parameter names.
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copies single-device tensors (``full[name]``) into the parallel model in place: each
+    DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    table_rows = table_row_ranges(model, _clean)  # Engram tables may hold a row range only
+    for raw_name, tensor in tensors.items():
+        name = _clean(raw_name)
+        if name not in full:
+            continue
+        src = full[name]
+        if name in table_rows:
+            src = src[slice(*table_rows[name])]
+        if isinstance(tensor, DTensor):
+            local = distribute_tensor(src.to(tensor.device), tensor.device_mesh, tensor.placements).to_local()
+            tensor.to_local().copy_(local)
+        else:
+            tensor.copy_(src)
