@@ -231,14 +231,18 @@ class Trainer:
         self.bias_updater.register(self.optimizer)
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
+        # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
+        self.token_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
         self.train_loader = build_dataloader(
             tokenizer=self.tokenizer,
             dataset=t.dataset,
             dataset_path=dataset_path,
             seq_len=t.seq_len,
             batch_size=t.local_batch_size,
+            global_batch_size=global_batch,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
+            token_group=self.token_group,
             split="train",
             seed=t.seed,
             infinite=True,
@@ -280,8 +284,10 @@ class Trainer:
                 dataset_path=path,
                 seq_len=t.seq_len,
                 batch_size=t.local_batch_size,
+                global_batch_size=self.train_loader.global_batch_size,
                 dp_rank=self.dp_rank,
                 dp_world_size=self.dp_world,
+                token_group=self.token_group,
                 split=split,
                 seed=t.seed,
                 infinite=False,
