@@ -51,14 +51,13 @@ from trainer.parallel.distributed import (
     is_rank0,
     local_rank_from_env,
 )
-from trainer.parallel.expert_parallel import init_expert_weights
 from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
+from trainer.parallel.weight_init import init_model_weights
 from trainer.parallel.parallelize import (
     build_reduce_counts,
-    load_full_state_dict,
     parallelize_model,
 )
 from trainer.runtime import (
@@ -184,22 +183,8 @@ class Trainer:
             model = DeepSeekV3Model(self.model_args)
         parallelize_model(model, self.parallel_dims, cfg, self.device.type)
         model.to_empty(device=self.device)
-        # Seed again so the weights do not depend on what ran before the build.
-        torch.manual_seed(t.seed)
-        model.init_weights()
-        if world_size > 1 and self.device.type == "cpu":
-            # CPU runs are small: draw the single-process weights and copy in each rank's part,
-            # so any layout starts exactly where one process would (sharded CPU random init
-            # repeats values across shards).
-            with torch.device("meta"):
-                full = DeepSeekV3Model(self.model_args)
-            full.to_empty(device="cpu")
-            torch.manual_seed(t.seed)
-            full.init_weights()
-            load_full_state_dict(model, full.state_dict())
-            del full
-        elif self.parallel_dims.ep_enabled:
-            init_expert_weights(model, t.seed)  # distinct values for every global expert
+        # Every layout starts from the same weights: keyed by the seed and the parameter names.
+        init_model_weights(model, t.seed)
         model.train()
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
