@@ -4,20 +4,21 @@ The model's own ``init_weights`` keeps defining *which* distribution each parame
 (models/: std per projection, ones for norms, ...). What it cannot know is the layout: under
 FSDP / TP / EP / HSDP a parameter is a DTensor whose local shard is only part of the tensor, and
 the default generator would draw the shard's values as if it were the whole tensor (repeating
-values across shards, and differing from one process). So every random draw that fills a
-parameter, ``Tensor.uniform_`` and ``Tensor.normal_`` (what ``nn.init.normal_``,
-``trunc_normal_``, ``kaiming_*``, ... are made of), is replaced by one rule:
+values across shards, and differing from one process). So every random fill of a parameter
+(``nn.init.normal_`` / ``uniform_`` / ``trunc_normal_`` and the tensor methods ``normal_`` /
+``uniform_``) is replaced, for the duration of ``init_model_weights``, by one rule:
 
     the full tensor's values are drawn block of rows by block of rows (dim 0), block ``b``
     from its own generator seeded by ``hash(seed, parameter FQN, n-th draw of it, b)``.
 
 A rank generates only the blocks that hold its rows (and keeps its columns of them), so a
-sharded parameter never exists in full on one rank, and the elementwise steps that follow a
-draw (``trunc_normal_``'s erfinv / scale / clamp) act on the local shard alike. The blocks are
-cut the same way in every layout, so the values only depend on the seed, the parameter's global
-name and shape: 1 process, FSDP, HSDP, EP, TP and CP runs start from the same weights. Draws run
-on the parameter's device (on CUDA the device's generator): layouts agree on one kind of device;
-CPU and CUDA draws differ.
+sharded parameter never exists in full on one rank. The truncated normal redraws its rejected
+values from the block's generator too (torch's own redraws into fresh tensors from the global
+generator). The blocks are cut the same way in every layout, so the values only depend on the
+seed, the parameter's global name and shape: 1 process, FSDP, HSDP, EP, TP and CP runs start from
+the same weights. Draws run on the parameter's device (on CUDA the device's generator): layouts
+agree on one kind of device; CPU and CUDA draws differ. Other random ``nn.init`` fills
+(kaiming, xavier, ...) on a parameter are refused rather than drawn unkeyed.
 
 Deterministic fills (ones, zeros) need no rule. Engram tables draw their rows from their own
 seeded row blocks (models/engram/table.py), which is already layout-invariant.
