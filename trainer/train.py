@@ -184,7 +184,9 @@ class Trainer:
         parallelize_model(model, self.parallel_dims, cfg, self.device.type)
         model.to_empty(device=self.device)
         # Every layout starts from the same weights: keyed by the seed and the parameter names.
+        # The global generator is seeded again for whatever draws from it later.
         init_model_weights(model, t.seed)
+        torch.manual_seed(t.seed)
         model.train()
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.

@@ -57,8 +57,8 @@ class Validator:
             loss_sum, n_tokens = totals[0], int(totals[1].item())
         if n_tokens == 0:
             raise RuntimeError(
-                "the validation split produced no batch: it is smaller than one batch of "
-                "global_batch_size x (seq_len + 1) tokens; lower [validation] steps' batch needs "
-                "or disable validation with --no-validation.enable"
+                "the validation split produced no batch: it is smaller than one global batch of "
+                "global_batch_size x (seq_len + 1) tokens; use a smaller training.global_batch_size or "
+                "training.seq_len, more validation data, or disable validation with --no-validation.enable"
             )
         return float(loss_sum) / n_tokens

@@ -292,3 +292,33 @@ def test_clear_errors(tok, tmp_path):
 
     with pytest.raises(RuntimeError, match=r"could not load dataset 'someone/no-such-dataset'.*Offline.*dataset_path"):
         build_dataloader(tokenizer=tok, dataset="someone/no-such-dataset", dataset_path=None, seq_len=8, batch_size=1)
+
+
+# --- shared tokenisation ---------------------------------------------------------------------
+
+
+def _shared_encode_worker(rank: int, world: int, init_file: str, texts: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.data.shared_tokenize import SharedTokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokenizer = build_tokenizer(REPO / "assets" / "tokenizer" / "shakespeare.tiktoken")
+        tokens = SharedTokenizer(tokenizer, dist.group.WORLD).encode(texts)
+        Path(f"{out}.{rank}").write_text(json.dumps([t.tolist() for t in tokens]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_tokenisation_gives_every_rank_all_documents(tok, tmp_path):
+    """Three ranks split 7 documents (uneven shares, one empty document): each gets every
+    document's tokens, in order, as one process encodes them."""
+    texts = make_docs(6) + [""]
+    out = str(tmp_path / "tokens")
+    torch.multiprocessing.spawn(
+        _shared_encode_worker, args=(3, str(tmp_path / "init"), texts, out), nprocs=3, join=True
+    )
+    want = [tok.encode(t, bos=True, eos=True) for t in texts]
+    for rank in range(3):
+        assert json.loads(Path(f"{out}.{rank}").read_text()) == want

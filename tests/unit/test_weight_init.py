@@ -65,3 +65,18 @@ def test_a_shard_draws_its_part_of_the_full_tensor(monkeypatch, dims):
     weight_init._fill(part, weight_init._uniform(-1.0, 1.0), key=(3, "w", 0))
     assert torch.equal(part, full[index[0]][:, index[1]])
     assert len(set(full.flatten().tolist())) == full.numel()
+
+
+def test_wrappers_do_not_change_the_weights():
+    """Activation checkpointing renames parameters (``_checkpoint_wrapped_module``); the draws
+    are keyed by the plain model's names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain, wrapped = tiny_model(), tiny_model()
+    for key, block in list(wrapped.layers.items()):
+        wrapped.layers[key] = checkpoint_wrapper(block)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    init_model_weights(plain, seed=1)
+    init_model_weights(wrapped, seed=1)
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(p, q), name

@@ -189,7 +189,9 @@ class TokenDataLoader:
         stream_state = self._stream_state
         if isinstance(self._source, _StreamDocuments) and self._docs is not None:
             stream_state = self._source.stream_state()
-        return {"epoch": self._epoch, "doc_pos": self._doc_pos, "buffer": self._buffer.tolist(), "stream_state": stream_state}
+        return {
+            "epoch": self._epoch, "doc_pos": self._doc_pos, "buffer": self._buffer.tolist(), "stream_state": stream_state
+        }
 
     def __iter__(self) -> TokenDataLoader:
         return self
@@ -338,7 +340,7 @@ class _MapDocuments:
             yield pos + 1, tokens
 
     def _tokenize(self, indices: np.ndarray) -> dict[int, np.ndarray]:
-        todo = list(dict.fromkeys(int(i) for i in indices if int(i) not in self._cache))
+        todo = [int(i) for i in indices if int(i) not in self._cache]
         texts = [t or "" for t in self._texts[todo][TEXT_COLUMN]]
         out = {}
         for idx, tokens in zip(todo, self._encoder.encode(texts)):

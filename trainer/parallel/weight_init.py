@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 
+# Module names that wrappers insert into parameter names (checkpoint_wrapper, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 # Elements drawn per generator (a block of whole rows): bounds the temporary memory of a draw
 # (16 MiB in fp32) and the rows a shard generates beyond its own.
 BLOCK_ELEMENTS = 1 << 22
@@ -68,7 +70,7 @@ class _KeyedDraws(TorchFunctionMode):
     def __init__(self, model: nn.Module, seed: int):
         super().__init__()
         self.seed = seed
-        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.names = {id(p): _global_name(name) for name, p in model.named_parameters()}
         self.draws: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -80,7 +82,8 @@ class _KeyedDraws(TorchFunctionMode):
                 # would run with this mode off), so both spellings are keyed alike.
                 kind, names = _DRAWS[func]
                 given = list(args[1:])
-                lo, hi = (given[i] if i < len(given) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, (0.0, 1.0))))
+                defaults = zip(names, (0.0, 1.0))
+                lo, hi = (given[i] if i < len(given) else kwargs.get(n, d) for i, (n, d) in enumerate(defaults))
                 self.keyed_fill(tensor, kind(float(lo), float(hi)), kwargs.get("generator"))
                 return tensor
         elif getattr(func, "__module__", None) == "torch.nn.init" and func not in _DETERMINISTIC:
@@ -99,6 +102,14 @@ class _KeyedDraws(TorchFunctionMode):
         count = self.draws.get(name, 0)
         self.draws[name] = count + 1
         _fill(param, draw, key=(self.seed, name, count))
+
+
+def _global_name(name: str) -> str:
+    """The parameter's name in the plain model: without the wrappers that activation
+    checkpointing and ``torch.compile`` insert (their names depend on the run's options)."""
+    for wrapper in WRAPPER_PREFIXES:
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _uniform(lo: float, hi: float):
