@@ -159,7 +159,7 @@ class Trainer:
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
         model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type)
-        self.parallel.materialize(self.device, t.seed, lambda: DeepSeekV3Model(self.model_args))
+        self.parallel.materialize(self.device, t.seed)
         model.train()
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
@@ -181,17 +181,21 @@ class Trainer:
         self.loss_fn = self.parallel.loss_function(t.compile)
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.bias_updater = ExpertBiasUpdater(model, self.parallel.reduce_counts)
+        self.bias_updater = ExpertBiasUpdater(model, self.parallel.global_sum)
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
+        # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
+        self.token_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
         self.train_loader = build_dataloader(
             tokenizer=self.tokenizer,
             dataset=t.dataset,
             dataset_path=dataset_path,
             seq_len=t.seq_len,
             batch_size=t.local_batch_size,
+            global_batch_size=global_batch,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
+            token_group=self.token_group,
             split="train",
             seed=t.seed,
             infinite=True,
@@ -235,16 +239,18 @@ class Trainer:
                 dataset_path=path,
                 seq_len=t.seq_len,
                 batch_size=t.local_batch_size,
+                global_batch_size=self.train_loader.global_batch_size,
                 dp_rank=self.dp_rank,
                 dp_world_size=self.dp_world,
+                token_group=self.token_group,
                 split=split,
                 seed=t.seed,
                 infinite=False,
             )
 
-        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.validation_all_reduce())
+        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.global_sum)
 
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count
         for one full batch, in the run's layout (as in `train_step`), so the sums over the
         "loss" mesh are the global ones."""
@@ -252,7 +258,7 @@ class Trainer:
         with self.autocast(), self.parallel.loss_context():
             logits = self.model(mb.inputs, **mb.model_kwargs).logits
             loss_sum = self.parallel.value(cross_entropy_sum(logits, mb.labels))
-        return loss_sum, int(count_valid(mb.labels))
+        return loss_sum, count_valid(mb.labels)
 
     def autocast(self):
         if self.autocast_dtype is None:

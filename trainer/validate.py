@@ -1,11 +1,14 @@
 """Validation loss on the held-out split.
 
 Every validation pass rebuilds the loader from the start of the split, so each pass
-scores exactly the same batches and the values are comparable across steps.
+scores exactly the same batches and the values are comparable across steps. The loader reads
+global batches (trainer/data/datasets.py), so every layout scores the same held-out windows, and
+the loss is the sum of their token losses over the sum of their tokens, across all ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -18,51 +21,41 @@ class Validator:
         build_loader: Callable[[], object],
         max_batches: int,
         device: torch.device,
-        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]],
-        all_reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ):
-        """``loss_sum(inputs, labels)`` runs the model on one full batch and returns this
+        """``build_loader()`` gives this rank's finite loader of the split, whose ``accum_steps``
+        micro-batches make one global batch; a pass scores the first ``max_batches`` global
+        batches. ``loss_sum(inputs, labels)`` runs the model on one micro-batch and returns this
         rank's summed next-token cross-entropy and its number of valid targets (the trainer's
         ``eval_loss_sum``, which knows the parallel layout: context split, loss parallel).
-        ``all_reduce(tensor, op)`` (op "sum" or "min") combines ranks in a parallel run:
-        every rank then runs the same number of batches (the fewest any rank has, since the
-        model's collectives need all of them) and returns the global mean."""
+        ``global_sum(tensor)`` sums over the ranks of a parallel run in place. Every rank walks
+        the same global stream, so all of them run the same number of micro-batches."""
         self.build_loader = build_loader
         self.max_batches = max_batches
         self.device = device
         self.loss_sum = loss_sum
-        self.all_reduce = all_reduce
+        self.global_sum = global_sum
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
-        """Mean next-token cross-entropy over the first ``max_batches`` batches (MTP excluded)."""
+        """Mean next-token cross-entropy over the first ``max_batches`` global batches (MTP excluded)."""
         was_training = model.training
         model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        n_tokens = 0
+        # [loss sum, token count], accumulated on the device and read once at the end.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         try:
-            batches = iter(self.build_loader())
-            for _ in range(self.max_batches):
-                batch = next(batches, None)
-                if self.all_reduce is not None:
-                    have = torch.tensor(float(batch is not None), device=self.device)
-                    if self.all_reduce(have, "min").item() == 0:
-                        break
-                if batch is None:
-                    break
-                inputs, labels = batch
+            loader = self.build_loader()
+            for inputs, labels in itertools.islice(loader, self.max_batches * loader.accum_steps):
                 batch_sum, batch_tokens = self.loss_sum(inputs.to(self.device), labels.to(self.device))
-                loss_sum += batch_sum.double()
-                n_tokens += batch_tokens
+                totals += torch.stack([batch_sum.double(), batch_tokens.double()])
         finally:
             model.train(was_training)
-        if self.all_reduce is not None:
-            totals = self.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(n_tokens)]), "sum")
-            loss_sum, n_tokens = totals[0], int(totals[1].item())
+        loss_sum, n_tokens = self.global_sum(totals).tolist()
         if n_tokens == 0:
             raise RuntimeError(
-                "the validation split produced no batch: it is smaller than one batch of "
-                "local_batch_size x (seq_len + 1) tokens; lower [validation] steps' batch needs "
-                "or disable validation with --no-validation.enable"
+                "the validation split produced no batch: it is smaller than one global batch of "
+                "global_batch_size x (seq_len + 1) tokens; use a smaller training.global_batch_size or "
+                "training.seq_len, more validation data, or disable validation with --no-validation.enable"
             )
-        return float(loss_sum) / n_tokens
+        return loss_sum / n_tokens

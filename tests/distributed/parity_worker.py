@@ -4,13 +4,13 @@ one process group and writes each layout's losses and gradient norms to a JSON f
     python -m tests.distributed.parity_worker --nproc 4 --layouts hsdp_2x2 --out out.json [--reference]
 
 Every layout runs the real ``Trainer`` (meta build -> parallelize -> weights -> train_step), fp32,
-deterministic, from the single-process weights (CPU runs copy them in, see Trainer.__init__).
+deterministic, from the same weights (the layout-invariant init, trainer/parallel/weight_init.py).
 
-Identical data: the loader of a data-parallel run gives each dp rank different documents than
-one process reading everything, so the worker bypasses it: every rank builds the *global*
-batch of each step from the same single-process loader (dp world 1, batch = global batch) and
-keeps rows ``[dp_rank * local : (dp_rank + 1) * local]``. The single-process reference reads the
-same global batches whole, so all layouts see the same tokens per step.
+Identical data: every rank builds the *global* batch of each step from the same single-process
+loader (dp world 1, batch = global batch) and keeps rows ``[dp_rank * local : (dp_rank + 1) *
+local]``, the rows the trainer's own loader gives it (trainer/data/datasets.py; that loader's
+parity is tested through run_train.sh in tests/e2e/test_layout_parity.py). The single-process
+reference reads the same global batches whole, so all layouts see the same tokens per step.
 
 ``--reference`` also runs the single-process layout on rank 0 before the process group starts.
 Adding a layout (TP, CP, ...): one entry in ``LAYOUTS`` with its ``[parallelism]`` overrides and
@@ -122,30 +122,32 @@ def run_layout(layout: str, workdir: str) -> dict:
         trainer.metrics.close()
 
 
-def check_expert_init(layout: str, workdir: str) -> dict:
-    """``init_expert_weights`` (the non-CPU init path under EP): every global expert gets its
-    own seeded values. The experts are DTensors of the global stack (``Shard(0)`` on ep, FSDP on
-    top: with efsdp > 1 as ``_StridedShard``), so ``full_tensor`` gathers all E experts: each must
-    match its own direct draw, and the halves held by the two ep ranks must differ."""
-    from torch import nn
+def check_init(layout: str, workdir: str) -> dict:
+    """The layout-invariant init: every parameter of the layout's Trainer, gathered whole, equals
+    the same seed's single-process init; the experts are DTensors sharded on "ep" (FSDP on top:
+    with efsdp > 1 as ``_StridedShard``) and the two ep ranks' halves differ."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from trainer.parallel.expert_parallel import init_expert_weights
+    from models.deepseek_v3.model import DeepSeekV3Model
+    from trainer.parallel.weight_init import init_model_weights
     from trainer.train import Trainer
 
-    trainer = Trainer(_config(layout, os.path.join(workdir, "expert_init")))
+    trainer = Trainer(_config(layout, os.path.join(workdir, "init")))
     try:
-        init_expert_weights(trainer.model, seed=7)
-        block = trainer.model.layers["1"]
-        param = block.ffn.experts.w1
-        w1 = param.full_tensor()  # [E, inter, dim]
-        draws = []
-        for expert in range(w1.shape[0]):
-            gen = torch.Generator().manual_seed(((7 * 1_000_003 + 1) * 1_000_003 + expert) * 3)
-            draws.append(nn.init.trunc_normal_(torch.empty_like(w1[0]), std=0.02, generator=gen))
+        with torch.device("meta"):
+            reference = DeepSeekV3Model(trainer.model_args)
+        reference.to_empty(device="cpu")
+        init_model_weights(reference, trainer.cfg.training.seed)
+        want = dict(reference.named_parameters())
+        same = True
+        for name, param in trainer.model.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            same &= bool(torch.equal(full.detach(), want[name].detach()))
+        param = trainer.model.layers["1"].ffn.experts.w1
+        w1 = param.full_tensor()
         half = w1.shape[0] // 2
         return {
-            "matches_seeded": bool(torch.equal(w1, torch.stack(draws))),
+            "matches_single_process": same,
             "ranks_differ": not torch.equal(w1[:half], w1[half:]),
             "ep_sharded": isinstance(param, DTensor) and isinstance(param.placements[-1], Shard)
             and param.device_mesh.mesh_dim_names[-1] == "ep",
@@ -171,7 +173,7 @@ def _worker(rank: int, nproc: int, port: int, layouts: list[str], out: str, refe
             results[layout] = run_layout(layout, workdir)
         for layout in ("fsdp_2_ep_2", "fsdp_4_ep_2"):  # efsdp 1 and 2
             if LAYOUTS[layout][0] == nproc and any("ep_2" in x for x in layouts):
-                results[f"expert_init_{layout}"] = check_expert_init(layout, workdir)
+                results[f"init_{layout}"] = check_init(layout, workdir)
     from trainer.parallel.distributed import destroy_distributed
 
     destroy_distributed()

@@ -81,6 +81,6 @@ def test_compiled_ep_blocks_break_only_at_the_dispatcher_and_the_experts_fsdp_un
     assert len(dispatcher) == 2 and len(fsdp_hooks) == 1 and len(reasons) == 3, reasons
 
 
-def test_ep_expert_init_gives_every_global_expert_its_own_values(results):
+def test_ep_layouts_start_from_the_single_process_weights(results):
     for layout in ("fsdp_2_ep_2", "fsdp_4_ep_2"):  # efsdp 1 and 2 (FSDP's _StridedShard on top of ep)
-        assert results[f"expert_init_{layout}"] == {"matches_seeded": True, "ranks_differ": True, "ep_sharded": True}
+        assert results[f"init_{layout}"] == {"matches_single_process": True, "ranks_differ": True, "ep_sharded": True}

@@ -127,8 +127,8 @@ def test_fsdp2_ep2_exact_resume(runs):
 def test_reshard_between_one_process_and_fsdp2_ep2(runs, tmp_path):
     single = losses(runs / "single")
     # 1 process -> FSDP 2 + EP 2: resumed at step 5, steps 6-8, saved at step 8. Only rank 0
-    # logs: rank 1 has no saved state of its own and continues rank 0's data shard (the one
-    # both read), or its half of each sequence, and so the losses, would differ.
+    # logs: rank 1 has no saved state of its own and takes rank 0's (the data position is
+    # global); otherwise its half of each sequence, and so the losses, would differ.
     log = (runs / "two" / "train.log").read_text()
     assert "resumed from" in log and "restart from the seed" not in log and "not restored" not in log
     assert_close(losses(runs / "two"), single, range(6, 9))

@@ -32,7 +32,7 @@ def tiny_args(dim: int = 32) -> DeepSeekV3ModelArgs:
 
 
 class FakeLoader:
-    """Positions within one data shard; like the real loader, refuses another shard's state."""
+    """A data position; refuses a state it cannot continue (the real loader: an older per-shard format)."""
 
     def __init__(self, shard: int = 0):
         self.pos = 0

@@ -1,4 +1,4 @@
-"""Data loader: packing, held-out split, rank sharding, resumption, local formats, errors."""
+"""Data loader: packing, held-out split, global batch order in any layout, resumption, local formats, errors."""
 
 import gzip
 import json
@@ -120,22 +120,47 @@ def test_bundled_corpus_and_validation_held_out(tok):
 # --- sharding and shuffling -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world", [2, 3])
+def global_batches(loaders, steps):
+    """Reassemble each step's global batch from one loader per DP rank: row
+    ``m * D * B + r * B + i`` is row ``i`` of rank ``r``'s micro-batch ``m``."""
+    out = []
+    for _ in range(steps):
+        rows = []
+        for _ in range(loaders[0].accum_steps):
+            rows += [next(dl) for dl in loaders]
+        out.append((torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])))
+    return out
+
+
+def layout_loaders(tok, path, dp, local, global_batch, **kw):
+    return [
+        loader(tok, path, batch_size=local, global_batch_size=global_batch, dp_rank=r, dp_world_size=dp, **kw)
+        for r in range(dp)
+    ]
+
+
 @pytest.mark.parametrize("streaming", [False, True])
-def test_rank_sharding_disjoint_and_complete(tok, tmp_path, world, streaming):
-    docs = make_docs(90)
-    path = write_jsonl(tmp_path / "d.jsonl", docs)
-    kw = dict(seq_len=4, batch_size=1, infinite=False, streaming=streaming, dp_world_size=world)
-    seen = {}
-    for split in ("train", "validation"):
-        per_rank = [documents_read(tok, loader(tok, path, dp_rank=r, split=split, **kw)) for r in range(world)]
-        seen[split] = [i for ids in per_rank for i in ids]
-        assert len(seen[split]) == len(set(seen[split])), "ranks overlap"
-        assert all(per_rank), "every rank gets documents"
-    assert not set(seen["train"]) & set(seen["validation"]), "validation documents seen in training"
-    assert set(seen["train"]) | set(seen["validation"]) == set(range(len(docs)))
-    if not streaming:  # map-style: the held-out set does not depend on the world size
-        assert set(seen["validation"]) == {i for i in range(len(docs)) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1}
+def test_global_batch_order_is_layout_independent(tok, tmp_path, streaming):
+    path = write_jsonl(tmp_path / "d.jsonl", make_docs(80))
+    kw = dict(seq_len=8, streaming=streaming)
+    reference = global_batches(layout_loaders(tok, path, 1, 6, 6, **kw), 20)  # crosses epochs
+    for dp, local in ((2, 3), (3, 2), (6, 1), (2, 1), (1, 2), (3, 1)):
+        loaders = layout_loaders(tok, path, dp, local, 6, **kw)
+        assert loaders[0].accum_steps == 6 // (dp * local)
+        for (x0, y0), (x1, y1) in zip(reference, global_batches(loaders, 20), strict=True):
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def test_finite_pass_same_windows_in_every_layout(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", make_docs(60))
+    kw = dict(seq_len=4, infinite=False, split="validation")
+    reference = [x for x, _ in layout_loaders(tok, path, 1, 4, 4, **kw)[0]]
+    assert reference
+    loaders = layout_loaders(tok, path, 2, 1, 4, **kw)
+    passes = [[x for x, _ in dl] for dl in loaders]
+    assert len(passes[0]) == len(passes[1]) == 2 * len(reference)  # only whole global batches
+    rebuilt = [torch.cat([passes[r][2 * k + m] for m in range(2) for r in range(2)]) for k in range(len(reference))]
+    assert all(torch.equal(a, b) for a, b in zip(reference, rebuilt))
 
 
 def test_shuffle_is_deterministic_per_epoch(tok, tmp_path):
@@ -162,7 +187,7 @@ def test_state_restore_continues_exactly(tok, tmp_path, streaming):
     path = write_jsonl(tmp_path / "d.jsonl", make_docs(40))
     kw = dict(seq_len=32, batch_size=2, dp_rank=1, dp_world_size=2, streaming=streaming)
     reference = take(loader(tok, path, **kw), 40)
-    # One epoch of rank 1 is ~8 batches here, so these cut points cross several epoch boundaries.
+    # One epoch is ~11 steps of 4 windows here, so these cut points cross epoch boundaries.
     for k in (0, 1, 3, 7, 8, 9, 15, 22):
         original = loader(tok, path, **kw)
         take(original, k)
@@ -173,11 +198,37 @@ def test_state_restore_continues_exactly(tok, tmp_path, streaming):
             assert torch.equal(x0, x1) and torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_state_restore_rejects_other_shard(tok, tmp_path):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_state_restores_into_another_layout(tok, tmp_path, streaming):
+    """A position saved at a step boundary by 2 ranks x 2 micro-batches continues exactly on 1 rank
+    and on 4 ranks, and the state is the same on every rank."""
     path = write_jsonl(tmp_path / "d.jsonl", make_docs(40))
-    state = loader(tok, path, dp_rank=0, dp_world_size=2).state_dict()
-    with pytest.raises(ValueError, match="rank 0 of 2"):
-        loader(tok, path, dp_rank=1, dp_world_size=2).load_state_dict(state)
+    kw = dict(seq_len=16, streaming=streaming)
+    reference = global_batches(layout_loaders(tok, path, 1, 8, 8, **kw), 14)
+    saving = layout_loaders(tok, path, 2, 2, 8, **kw)
+    global_batches(saving, 5)
+    states = [json.loads(json.dumps(dl.state_dict())) for dl in saving]
+    assert states[0] == states[1]
+    for dp, local in ((1, 8), (4, 1), (2, 4)):
+        restored = layout_loaders(tok, path, dp, local, 8, **kw)
+        for dl in restored:
+            dl.load_state_dict(states[0])
+        for (x0, _), (x1, _) in zip(reference[5:], global_batches(restored, 9), strict=True):
+            assert torch.equal(x0, x1)
+
+
+def test_state_restore_mid_batch_and_old_format(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", make_docs(40))
+    original = loader(tok, path, batch_size=1, global_batch_size=4)
+    take(original, 6)  # half-way through the second global batch
+    state = original.state_dict()
+    restored = loader(tok, path, batch_size=2, global_batch_size=4)
+    restored.load_state_dict(state)
+    assert torch.equal(torch.cat([x for x, _ in take(original, 2)]), next(restored)[0])
+    with pytest.raises(ValueError, match="not a whole number"):
+        loader(tok, path, batch_size=4, global_batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="older version"):
+        loader(tok, path).load_state_dict({"epoch": 0, "doc_pos": 0, "buffer": [], "dp_rank": 0, "dp_world_size": 2})
 
 
 # --- local formats ---------------------------------------------------------------------------
@@ -234,10 +285,40 @@ def test_clear_errors(tok, tmp_path):
         loader(tok, tmp_path / "notes.md")
 
     write_jsonl(tmp_path / "few.jsonl", make_docs(3))
-    with pytest.raises(ValueError, match="leave none for data-parallel rank 0"):
+    with pytest.raises(ValueError, match="no documents in this split"):
         loader(tok, tmp_path / "few.jsonl", split="validation")
     with pytest.raises(ValueError, match="fewer than seq_len"):
         next(loader(tok, tmp_path / "few.jsonl", seq_len=4096))
 
     with pytest.raises(ValueError, match=r"could not load dataset 'someone/no-such-dataset'.*Offline.*dataset_path"):
         build_dataloader(tokenizer=tok, dataset="someone/no-such-dataset", dataset_path=None, seq_len=8, batch_size=1)
+
+
+# --- shared tokenisation ---------------------------------------------------------------------
+
+
+def _shared_encode_worker(rank: int, world: int, init_file: str, texts: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.data.shared_tokenize import SharedTokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokenizer = build_tokenizer(REPO / "assets" / "tokenizer" / "shakespeare.tiktoken")
+        tokens = SharedTokenizer(tokenizer, dist.group.WORLD).encode(texts)
+        Path(f"{out}.{rank}").write_text(json.dumps([t.tolist() for t in tokens]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_tokenisation_gives_every_rank_all_documents(tok, tmp_path):
+    """Three ranks split 7 documents (uneven shares, one empty document): each gets every
+    document's tokens, in order, as one process encodes them."""
+    texts = make_docs(6) + [""]
+    out = str(tmp_path / "tokens")
+    torch.multiprocessing.spawn(
+        _shared_encode_worker, args=(3, str(tmp_path / "init"), texts, out), nprocs=3, join=True
+    )
+    want = [tok.encode(t, bos=True, eos=True) for t in texts]
+    for rank in range(3):
+        assert json.loads(Path(f"{out}.{rank}").read_text()) == want

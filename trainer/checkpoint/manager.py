@@ -7,8 +7,8 @@ the state dict a training checkpoint holds is this module's:
     optimizer      get_state_dict(optimizer): FQN-keyed, so it reshards like the model
     lr_scheduler   LambdaLR.state_dict()
     train_state    {"step", "skipped_total"}
-    rank_state_R   per rank R: data-loader position and RNG states (torch CPU/CUDA, python, numpy);
-                   a run with another world size continues the saved rank that read its data shard
+    rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
+                   layout) and RNG states (torch CPU/CUDA, python, numpy)
 
 Model and optimizer state come from `torch.distributed.checkpoint.state_dict`, so under FSDP2 /
 TP / EP they are DTensors and DCP writes each rank's shards and reshards them on load into whatever
@@ -311,10 +311,9 @@ class CheckpointManager:
         if read_marker(info.path).get("world_size", world) == world:
             candidates = [self.rank] if self.rank in saved_ranks else []
         else:
-            # Another world size: this rank's data shard may have been read by any saved rank
-            # (e.g. 1 process -> EP-as-CP 2, where both ranks read the one dp shard); load every
-            # rank's small state and continue from the one whose data loader fits this rank.
-            candidates = sorted(saved_ranks, key=lambda r: r != self.rank)  # own entry first
+            # Another world size: the data position is global (the same on every saved rank),
+            # so any saved rank's entry continues this rank's data; its own entry comes first.
+            candidates = sorted(saved_ranks, key=lambda r: r != self.rank)
         for r in candidates:
             state[f"rank_state_{r}"] = copy.deepcopy(own)
         try:
@@ -330,8 +329,8 @@ class CheckpointManager:
         return train_state
 
     def _restore_rank_state(self, saved: list[tuple[int, dict]], name: str) -> None:
-        """Data position and RNG from the first saved rank whose data loader state fits this
-        rank (same data shard: same dp rank and dp degree), this rank's own entry first."""
+        """Data position (a position in the global sample stream, valid in any layout) and RNG
+        from the first saved rank whose data loader state loads, this rank's own entry first."""
         errors = []
         for r, rank_state in saved:
             try:
@@ -340,12 +339,12 @@ class CheckpointManager:
                 errors.append(f"rank {r}: {e}")
                 continue
             if r != self.rank:
-                logger.info("%s: data position and RNG taken from saved rank %d (same data shard)", name, r)
+                logger.info("%s: data position and RNG taken from saved rank %d", name, r)
             _set_rng_state(rank_state["rng"], self.device)
             return
         if not saved:
-            logger.warning("%s has no %s (saved with another world size): data order and RNG restart from the seed",
-                           name, self._rank_key())
+            logger.warning("%s has no data loader state (a model-only save): data order and RNG restart from the seed",
+                           name)
             return
         logger.warning("data loader position not restored: %s", "; ".join(errors))
         if saved[0][0] == self.rank:

@@ -1,7 +1,8 @@
-"""Text datasets -> packed, sharded, resumable batches of token ids.
+"""Text datasets -> packed batches of token ids in a layout-independent global order.
 
-Pipeline: documents (HF ``datasets``) -> held-out split -> per-epoch order -> data-parallel shard
--> ``[BOS] doc [EOS]`` token stream -> windows of ``seq_len + 1`` tokens -> batches of
+Pipeline: documents (HF ``datasets``) -> held-out split -> per-epoch order -> ``[BOS] doc [EOS]``
+token stream -> windows of ``seq_len + 1`` tokens (the *global sample stream*) -> global batches
+of ``global_batch_size`` windows -> this data-parallel rank's rows of each micro-batch, as
 ``(inputs, labels)`` with ``inputs = w[:-1]`` and ``labels = w[1:]``.
 
 Packing: consecutive windows overlap by one token (window ``k`` is
@@ -9,22 +10,31 @@ Packing: consecutive windows overlap by one token (window ``k`` is
 trained on exactly once and no padding is needed. Each epoch's stream is packed on its own: the
 final partial window of an epoch (fewer than ``seq_len + 1`` tokens) is dropped, and a batch may
 hold windows from two epochs. A finite loader (``infinite=False``) makes one pass and drops its
-final partial batch, so every batch has the same shape.
+final partial *global* batch, so every batch has the same shape and every layout reads the same
+windows.
 
 Documents may cross window boundaries; BOS/EOS mark them, which is what document masking in
 attention keys on.
 
 Held-out validation: a hub dataset's own ``validation`` (or ``test``) split when it has one, else
-every ``VALIDATION_EVERY``-th document (index % 20 == 19) of the training data. Training never
-sees those documents.
+every ``VALIDATION_EVERY``-th document (index % 20 == 19, by position in the stream for streaming
+data) of the training data. Training never sees those documents.
 
-Sharding: rank ``r`` of ``W`` reads the documents whose position in the (shuffled) epoch order
-is ``r`` mod ``W``: disjoint and complete. Streaming datasets use
-``datasets.distributed.split_dataset_by_node`` (whole shards when their number divides ``W``).
+Global batch order (one run, any layout): step ``k`` trains on windows
+``[k * G, (k + 1) * G)`` of the global sample stream, ``G = global_batch_size``, whatever the
+data-parallel degree ``D``, local batch ``B`` and accumulation split ``A = G / (D * B)``.
+Micro-batch ``m`` of a step holds the step's rows ``[m * D * B, (m + 1) * D * B)`` and DP rank
+``r`` reads rows ``[r * B, (r + 1) * B)`` of it, i.e. row ``m * D * B + r * B + i`` of the global
+batch. Every split covers each of the ``G`` rows once, so the step's summed loss and gradient are
+the same sums in another order (equal up to float rounding), including with accumulation. The
+ranks of one DP rank (context / tensor parallel peers) read the same rows. Every rank walks the
+whole stream, but tokenises only its share of the documents (``shared_tokenize.py``).
 
 Resumption: ``TokenDataLoader`` follows torch.distributed.checkpoint's ``Stateful`` protocol; its
-state (epoch, document position, leftover tokens, and the HF stream position when streaming)
-makes a restored loader produce exactly the batches the original would have produced next.
+state is a position in the global sample stream (epoch, document position, leftover tokens, the
+HF stream position when streaming, rows already served of the current global batch), the same on
+every rank. A restored loader produces exactly the windows the original would have produced next,
+in any layout (another DP degree, local batch or accumulation split).
 """
 
 from __future__ import annotations
@@ -38,8 +48,10 @@ import datasets
 import huggingface_hub
 import numpy as np
 import torch
+import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 
+from trainer.data.shared_tokenize import SharedTokenizer
 from trainer.data.tokenizer import Tokenizer
 
 VALIDATION_EVERY = 20
@@ -50,11 +62,14 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus" / "sh
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 
-# Documents tokenised together (tiktoken encodes a batch in parallel threads).
+# Documents tokenised together (tiktoken encodes a batch in parallel threads; with a token group
+# the chunk is what the ranks split between them).
 TOKENIZE_CHUNK = 256
 # Map-style datasets keep their tokens after the first epoch up to this many tokens (1 GiB as
 # int32); beyond it, documents are tokenised again when revisited.
 CACHE_TOKEN_BUDGET = 1 << 28
+# Loader state format: 2 = a position in the global sample stream (1 was a per-rank shard).
+STATE_VERSION = 2
 
 
 def build_dataloader(
@@ -64,15 +79,17 @@ def build_dataloader(
     dataset_path: str | None,
     seq_len: int,
     batch_size: int,
+    global_batch_size: int | None = None,
     dp_rank: int = 0,
     dp_world_size: int = 1,
+    token_group: dist.ProcessGroup | None = None,
     split: str = "train",
     seed: int = 0,
     infinite: bool = True,
     shuffle: bool = True,
     streaming: bool | None = None,
 ) -> TokenDataLoader:
-    """Build the packed token loader for one data-parallel rank.
+    """Build the packed token loader of one data-parallel rank.
 
     Args:
         dataset: ``"shakespeare"`` (bundled corpus), ``"json"`` / ``"text"`` / ``"parquet"`` /
@@ -80,6 +97,11 @@ def build_dataloader(
         dataset_path: for local formats a file, glob or directory (``.jsonl`` counts as json,
             text files give one document per blank-line separated paragraph); for a hub dataset
             its config name (or None).
+        batch_size: rows per micro-batch on this rank (the local batch).
+        global_batch_size: rows per step over all DP ranks and micro-batches; a multiple of
+            ``batch_size * dp_world_size`` (default: exactly that, no accumulation).
+        token_group: gloo group of every rank of the job (None on one process): the ranks split
+            the tokenisation between them.
         split: ``"train"`` or ``"validation"`` (the held-out documents).
         seed: training order of epoch ``e`` is the permutation drawn with ``seed + e``.
         shuffle: reshuffle the training documents every epoch (map-style data only; streams
@@ -92,29 +114,36 @@ def build_dataloader(
         raise ValueError(f"dp_rank must be in [0, dp_world_size={dp_world_size}), got {dp_rank}")
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    per_micro = batch_size * dp_world_size
+    global_batch_size = global_batch_size or per_micro
+    if global_batch_size % per_micro:
+        raise ValueError(
+            f"global_batch_size = {global_batch_size} is not a multiple of batch_size x dp_world_size = "
+            f"{batch_size} x {dp_world_size}"
+        )
 
     data, held_out, name = _load_documents(dataset, dataset_path, split, streaming)
+    encoder = SharedTokenizer(tokenizer, token_group)
     if isinstance(data, datasets.IterableDataset):
-        source: _MapDocuments | _StreamDocuments = _StreamDocuments(
-            data, tokenizer, name=name, held_out=held_out, rank=dp_rank, world_size=dp_world_size
-        )
+        source: _MapDocuments | _StreamDocuments = _StreamDocuments(data, encoder, name=name, held_out=held_out)
     else:
         source = _MapDocuments(
-            data,
-            tokenizer,
-            name=name,
-            held_out=held_out,
-            rank=dp_rank,
-            world_size=dp_world_size,
-            shuffle_seed=seed if shuffle and split == "train" else None,
+            data, encoder, name=name, held_out=held_out, shuffle_seed=seed if shuffle and split == "train" else None
         )
     return TokenDataLoader(
-        source, seq_len=seq_len, batch_size=batch_size, infinite=infinite, rank=dp_rank, world_size=dp_world_size
+        source,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        global_batch_size=global_batch_size,
+        infinite=infinite,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
     )
 
 
 class TokenDataLoader:
-    """Iterator over ``(inputs, labels)`` LongTensor batches of shape ``[batch_size, seq_len]``.
+    """Iterator over this DP rank's ``(inputs, labels)`` LongTensor micro-batches of shape
+    ``[batch_size, seq_len]``; ``accum_steps`` consecutive micro-batches make one global batch.
 
     The loader is its own iterator and continues from its current state on every ``iter()``; a
     finite loader rewinds to the start after a complete pass, and ``reset()`` rewinds at any time
@@ -127,40 +156,72 @@ class TokenDataLoader:
         *,
         seq_len: int,
         batch_size: int,
+        global_batch_size: int,
         infinite: bool,
-        rank: int,
-        world_size: int,
+        dp_rank: int,
+        dp_world_size: int,
     ):
         self.seq_len = seq_len
         self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
+        self.accum_steps = global_batch_size // (batch_size * dp_world_size)
         self.infinite = infinite
         self._source = source
-        self._rank = rank
-        self._world_size = world_size
+        self._rank = dp_rank
+        self._world_size = dp_world_size
         self.reset()
 
     def reset(self) -> None:
         """Rewind to the first batch of epoch 0."""
-        self._epoch = 0
-        self._doc_pos = 0
-        self._buffer = np.empty(0, dtype=np.int32)
-        self._stream_state: dict | None = None
+        self._set_position({"epoch": 0, "doc_pos": 0, "buffer": [], "stream_state": None})
+        self._rows: list[np.ndarray] = []
+        self._micro = 0
+
+    def _set_position(self, position: dict[str, Any]) -> None:
+        self._epoch = int(position["epoch"])
+        self._doc_pos = int(position["doc_pos"])
+        self._buffer = np.asarray(position["buffer"], dtype=np.int32)
+        self._stream_state: dict | None = position["stream_state"]
         self._docs: Iterator[tuple[int, np.ndarray]] | None = None
         self._epochs_without_window = 0
+
+    def _position(self) -> dict[str, Any]:
+        """Where the global sample stream stands (before the next window)."""
+        stream_state = self._stream_state
+        if isinstance(self._source, _StreamDocuments) and self._docs is not None:
+            stream_state = self._source.stream_state()
+        return {
+            "epoch": self._epoch, "doc_pos": self._doc_pos, "buffer": self._buffer.tolist(), "stream_state": stream_state
+        }
 
     def __iter__(self) -> TokenDataLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = []
-        for _ in range(self.batch_size):
-            window = self._next_window()
-            if window is None:
+        if self._micro == 0:
+            self._batch_start = self._position()
+            rows = self._read_global_batch()
+            if rows is None:
                 self.reset()
                 raise StopIteration
-            windows.append(window)
-        batch = np.stack(windows).astype(np.int64)  # [B, S + 1]
+            self._rows = rows
+        b = self.batch_size
+        batch = np.stack(self._rows[self._micro * b : (self._micro + 1) * b]).astype(np.int64)  # [B, S + 1]
+        self._micro = (self._micro + 1) % self.accum_steps
         return torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
+
+    def _read_global_batch(self) -> list[np.ndarray] | None:
+        """This rank's rows of the next global batch, micro-batch by micro-batch (None at the end
+        of a finite pass). The other ranks' windows are cut from the buffer but not copied."""
+        per_micro = self.batch_size * self._world_size
+        rows = []
+        for j in range(self.global_batch_size):
+            window = self._next_window()
+            if window is None:
+                return None
+            if (j % per_micro) // self.batch_size == self._rank:
+                rows.append(window)
+        return rows
 
     def _next_window(self) -> np.ndarray | None:
         span = self.seq_len + 1
@@ -185,8 +246,8 @@ class TokenDataLoader:
         self._epochs_without_window += 1
         if self._epochs_without_window > 1:
             raise ValueError(
-                f"{self._source.name}: a whole epoch of rank {self._rank}'s documents has fewer than "
-                f"seq_len + 1 = {self.seq_len + 1} tokens; use a smaller seq_len or more data"
+                f"{self._source.name}: a whole epoch has fewer than seq_len + 1 = {self.seq_len + 1} tokens; "
+                "use a smaller seq_len or more data"
             )
         self._epoch += 1
         self._doc_pos = 0
@@ -195,72 +256,75 @@ class TokenDataLoader:
         self._docs = None
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "epoch": self._epoch,
-            "doc_pos": self._doc_pos,
-            "buffer": self._buffer.tolist(),
-            "dp_rank": self._rank,
-            "dp_world_size": self._world_size,
-        }
-        if isinstance(self._source, _StreamDocuments):
-            state["stream_state"] = self._source.stream_state() if self._docs is not None else self._stream_state
-        return state
+        """The global stream position at the start of the current global batch and the rows of
+        it already served: the same on every rank of every layout at a step boundary."""
+        if self._micro == 0:
+            return {"version": STATE_VERSION, **self._position(), "rows_served": 0}
+        rows_served = self._micro * self.batch_size * self._world_size
+        return {"version": STATE_VERSION, **self._batch_start, "rows_served": rows_served}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = (state_dict["dp_rank"], state_dict["dp_world_size"])
-        if saved != (self._rank, self._world_size):
+        if state_dict.get("version") != STATE_VERSION:
             raise ValueError(
-                f"data loader state was saved by rank {saved[0]} of {saved[1]}, this loader is rank "
-                f"{self._rank} of {self._world_size}: the document shards differ, so it cannot continue exactly"
+                "data loader state was saved per data-parallel shard by an older version; it is no position "
+                "in the global sample stream, so the data order cannot continue exactly"
+            )
+        per_micro = self.batch_size * self._world_size
+        rows_served = int(state_dict["rows_served"])
+        if rows_served % per_micro:
+            raise ValueError(
+                f"data loader state was saved {rows_served} rows into a global batch, which is not a whole number "
+                f"of this layout's micro-batches of {per_micro} rows: resume from a checkpoint at a step boundary"
             )
         self.reset()
-        self._epoch = int(state_dict["epoch"])
-        self._doc_pos = int(state_dict["doc_pos"])
-        self._buffer = np.asarray(state_dict["buffer"], dtype=np.int32)
-        self._stream_state = state_dict.get("stream_state")
+        self._set_position(state_dict)
+        if rows_served:
+            self._batch_start = self._position()
+            rows = self._read_global_batch()
+            if rows is None:
+                raise ValueError("data loader state points past the end of a finite pass")
+            self._rows, self._micro = rows, rows_served // per_micro
 
 
 class _MapDocuments:
-    """Documents of a map-style dataset: per-epoch order, rank shard, tokens cached once."""
+    """Documents of a map-style dataset: per-epoch order, tokens cached once."""
 
     def __init__(
         self,
         data: datasets.Dataset,
-        tokenizer: Tokenizer,
+        encoder: SharedTokenizer,
         *,
         name: str,
         held_out: str | None,
-        rank: int,
-        world_size: int,
         shuffle_seed: int | None,
     ):
         _check_columns(data.column_names, name)
         self.name = name
         self._texts = data.select_columns([TEXT_COLUMN])
-        self._tokenizer = tokenizer
+        self._encoder = encoder
         ids = np.arange(len(data))
         if held_out == "train":
             ids = ids[ids % VALIDATION_EVERY != VALIDATION_EVERY - 1]
         elif held_out == "validation":
             ids = ids[ids % VALIDATION_EVERY == VALIDATION_EVERY - 1]
-        if len(ids) <= rank:
+        if len(ids) == 0:
             raise ValueError(
-                f"{name}: {len(ids)} documents in this split (of {len(data)}; every {VALIDATION_EVERY}th is "
-                f"held out for validation) leave none for data-parallel rank {rank} of {world_size}"
+                f"{name}: no documents in this split (of {len(data)}; every {VALIDATION_EVERY}th is held out "
+                "for validation)"
             )
         self._doc_ids = ids
-        self._rank = rank
-        self._world_size = world_size
         self._shuffle_seed = shuffle_seed
+        # Filled in the same order on every rank (all of them tokenise the same chunks), so every
+        # rank decides alike whether a chunk needs the shared tokenisation.
         self._cache: dict[int, np.ndarray] = {}
         self._cached_tokens = 0
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Dataset indices of this rank's documents in epoch ``epoch``, in reading order."""
+        """Dataset indices of the documents of epoch ``epoch``, in reading order."""
         ids = self._doc_ids
         if self._shuffle_seed is not None:
             ids = ids[np.random.default_rng(self._shuffle_seed + epoch).permutation(len(ids))]
-        return ids[self._rank :: self._world_size]
+        return ids
 
     def iter_epoch(self, epoch: int, start: int, stream_state: dict | None) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(documents read so far, tokens)`` from position ``start`` of the epoch; the
@@ -280,8 +344,7 @@ class _MapDocuments:
         todo = [int(i) for i in indices if int(i) not in self._cache]
         texts = [t or "" for t in self._texts[todo][TEXT_COLUMN]]
         out = {}
-        for idx, ids in zip(todo, self._tokenizer.encode_batch(texts, bos=True, eos=True)):
-            tokens = np.asarray(ids, dtype=np.int32)
+        for idx, tokens in zip(todo, self._encoder.encode(texts)):
             out[idx] = tokens
             if self._cached_tokens + len(tokens) <= CACHE_TOKEN_BUDGET:
                 self._cache[idx] = tokens
@@ -290,52 +353,54 @@ class _MapDocuments:
 
 
 class _StreamDocuments:
-    """Documents of a streaming dataset, read in the dataset's order, one rank's share."""
+    """Documents of a streaming dataset, read in the dataset's order (the whole stream on every
+    rank: only the tokenisation is split)."""
 
-    def __init__(
-        self,
-        data: datasets.IterableDataset,
-        tokenizer: Tokenizer,
-        *,
-        name: str,
-        held_out: str | None,
-        rank: int,
-        world_size: int,
-    ):
+    def __init__(self, data: datasets.IterableDataset, encoder: SharedTokenizer, *, name: str, held_out: str | None):
         if data.column_names is not None:
             _check_columns(data.column_names, name)
         self.name = name
         self._data = data
-        self._tokenizer = tokenizer
+        self._encoder = encoder
         self._held_out = held_out
-        self._rank = rank
-        self._world_size = world_size
-        self._live: datasets.IterableDataset | None = None
+        self._state: dict | None = None
 
     def iter_epoch(self, epoch: int, start: int, stream_state: dict | None) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(stream documents read so far, tokens)``; ``stream_state`` is HF's position
         after the first ``start`` documents. Every epoch reads the stream in the same order.
-        Held-out documents count in the position: the split is by position in this rank's
-        stream, so with a different world size the held-out set differs."""
-        # A fresh split per epoch: an IterableDataset keeps a loaded state for every later iter().
-        live = split_dataset_by_node(self._data, rank=self._rank, world_size=self._world_size)
+        Held-out documents count in the position (the split is by position in the stream).
+        Documents are read a chunk ahead (for the shared tokenisation); HF's position after each
+        is kept so that ``stream_state`` reports the one after the last document handed out."""
+        # A fresh wrapper per epoch (a split over one node is the whole stream): an
+        # IterableDataset keeps a loaded state for every later iter().
+        live = split_dataset_by_node(self._data, rank=0, world_size=1)
         if stream_state is not None:
             live.load_state_dict(stream_state)
-        self._live = live
+        self._state = stream_state
         pos = start
-        for example in live:
-            pos += 1
-            is_validation = (pos - 1) % VALIDATION_EVERY == VALIDATION_EVERY - 1
-            if (self._held_out == "train" and is_validation) or (self._held_out == "validation" and not is_validation):
-                continue
-            if TEXT_COLUMN not in example:
-                _check_columns(list(example), self.name)
-            text = example[TEXT_COLUMN] or ""
-            yield pos, np.asarray(self._tokenizer.encode(text, bos=True, eos=True), dtype=np.int32)
+        examples = iter(live)
+        while True:
+            texts, marks = [], []
+            for example in examples:
+                pos += 1
+                is_validation = (pos - 1) % VALIDATION_EVERY == VALIDATION_EVERY - 1
+                if (self._held_out == "train" and is_validation) or (self._held_out == "validation" and not is_validation):
+                    continue
+                if TEXT_COLUMN not in example:
+                    _check_columns(list(example), self.name)
+                texts.append(example[TEXT_COLUMN] or "")
+                marks.append((pos, live.state_dict()))
+                if len(texts) == TOKENIZE_CHUNK:
+                    break
+            if not texts:
+                return
+            for (doc_pos, state), tokens in zip(marks, self._encoder.encode(texts)):
+                self._state = state
+                yield doc_pos, tokens
 
-    def stream_state(self) -> dict:
-        """HF's position after the last document handed out (the stream is read lazily)."""
-        return self._live.state_dict()
+    def stream_state(self) -> dict | None:
+        """HF's position after the last document handed out."""
+        return self._state
 
 
 def _check_columns(columns: list[str], name: str) -> None:

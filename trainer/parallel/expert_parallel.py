@@ -31,7 +31,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.moe import MoE
 from models.moe.dispatcher import TokenDispatcher
@@ -162,40 +161,3 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
         changed.append(module)
     return changed
 
-
-def _blocks_with_moe(model: nn.Module):
-    blocks = list(model.layers.values())
-    if getattr(model, "mtp", None) is not None:
-        blocks += [m.block for m in model.mtp]
-    for block in blocks:
-        ffn = getattr(block, "ffn", None)
-        if isinstance(ffn, MoE) and isinstance(ffn.dispatcher, AllToAllTokenDispatcher):
-            yield block, ffn
-
-
-@torch.no_grad()
-def init_expert_weights(model: nn.Module, seed: int) -> None:
-    """Re-draws the routed experts so that each *global* expert gets its own values.
-
-    A sharded random init (DTensor's RNG is synchronised per mesh, not offset by the ep rank
-    everywhere) could give expert ``r * E_local + i`` the same weights on every ep rank r. Here
-    expert g of layer l is drawn on the CPU from its own generator seeded by (seed, l, g), with
-    the distribution of ``GroupedExperts.init_weights``: independent of the layout, identical on
-    the FSDP ranks that share the experts. Only this rank's ``E / ep`` experts are drawn, and
-    only its FSDP chunk of them is kept (FSDP2 splits dim 0 with ``torch.chunk`` on each mesh dim
-    before "ep", the last one). CPU runs instead copy the single-process weights
-    (``step.load_full_state_dict``).
-    """
-    for block, moe in _blocks_with_moe(model):
-        start, stop = moe.dispatcher.local_expert_range
-        for k, (name, std) in enumerate((("w1", 0.02), ("w2", block.weight_init_std), ("w3", block.weight_init_std))):
-            param = getattr(moe.experts, name)
-            values = torch.empty((stop - start, *param.shape[1:]), dtype=torch.float32)
-            for i, expert in enumerate(range(start, stop)):
-                gen = torch.Generator().manual_seed(((seed * 1_000_003 + block.layer_id) * 1_000_003 + expert) * 3 + k)
-                nn.init.trunc_normal_(values[i], mean=0.0, std=std, generator=gen)
-            mesh = param.device_mesh
-            for dim, placement in enumerate(param.placements[:-1]):
-                if isinstance(placement, (Shard, _StridedShard)):
-                    values = torch.chunk(values, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)]
-            param.to_local().copy_(values)

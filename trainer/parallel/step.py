@@ -31,7 +31,7 @@ from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.distributed import all_reduce_sum
 from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads, table_row_ranges
-from trainer.parallel.expert_parallel import init_expert_weights
+from trainer.parallel.weight_init import init_model_weights
 from trainer.parallel.fsdp import set_reshard_after_backward
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
@@ -86,26 +86,13 @@ class ParallelStep:
         """Ranks whose per-rank means (the MoE balance loss) are averaged into the global one."""
         return self.dims.loss_degree
 
-    def materialize(self, device: torch.device, seed: int, build_reference: Callable[[], nn.Module]) -> None:
-        """Allocates the parallelized (meta) model on ``device`` and draws its initial weights;
-        ``build_reference`` builds the single-device model on the meta device."""
-        model = self.model
-        model.to_empty(device=device)
-        # Seed again so the weights do not depend on what ran before the build.
+    def materialize(self, device: torch.device, seed: int) -> None:
+        """Allocates the parallelized (meta) model on ``device`` and draws its initial weights,
+        the same in every layout (keyed by the seed and each parameter's global name)."""
+        self.model.to_empty(device=device)
+        init_model_weights(self.model, seed)
+        # The global generator is seeded again for whatever draws from it later.
         torch.manual_seed(seed)
-        model.init_weights()
-        if self.dims.world_size > 1 and device.type == "cpu":
-            # CPU runs are small: draw the single-process weights and copy in each rank's part,
-            # so any layout starts exactly where one process would (sharded CPU random init
-            # repeats values across shards).
-            with torch.device("meta"):
-                full = build_reference()
-            full.to_empty(device="cpu")
-            torch.manual_seed(seed)
-            full.init_weights()
-            load_full_state_dict(model, full.state_dict())
-        elif self.dims.ep_enabled:
-            init_expert_weights(model, seed)  # distinct values for every global expert
 
     def prepare_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
         hasher = self.model.engram_hasher
@@ -165,22 +152,10 @@ class ParallelStep:
         # counts each row-sharded Engram table shard once).
         return clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
 
-    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """In-place sum of MoE token counts over every rank that routed different tokens."""
-        return all_reduce_sum(counts, self.loss_mesh)
-
-    def validation_all_reduce(self) -> Callable[[torch.Tensor, str], torch.Tensor] | None:
-        """Sum / min over the "loss" mesh for the validator (None on one rank)."""
-        if self.loss_mesh is None:
-            return None
-        group = self.loss_mesh.get_group()
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
-
-        def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-            torch.distributed.all_reduce(tensor, op=ops[op], group=group)
-            return tensor
-
-        return all_reduce
+    def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over every rank that saw different tokens (the "loss" mesh: data and
+        context ranks); a no-op on one process. MoE token counts and validation sums use it."""
+        return all_reduce_sum(tensor, self.loss_mesh)
 
 
 def _clean(name: str) -> str:
