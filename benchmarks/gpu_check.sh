@@ -14,6 +14,8 @@
 #   D  the same with float8 (routed experts too), in its own process (two such models and their
 #      optimizer states do not fit one 80 GB GPU together): the float8 speed-up is D / B.
 #   C  moe_bench at proxy_1b sizes, 16384 tokens, bf16: MoE layer time / dense-ideal time.
+#   E  step_bench proxy_1b, bf16, eager, batch 1 x 4096, with --profile: the weight-cast bytes and
+#      the Python-level host reads of one step (both counted by modes that compiled code bypasses).
 # A failed or timed-out measurement shows as "failed" in the table (its log says why); the
 # others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
 set -u
@@ -36,6 +38,7 @@ if [ "$DRY" = "1" ]; then
     B_VARIANT=eager
     D_VARIANTS=eager,eager_float8
     C_ARGS=(--flavor debugmodel --tokens 256 --dtype fp32 --rounds 2 --warmup 1)
+    E_ARGS=(--flavor debugmodel --dtype bf16 --seq-len 32 --batch-size 1 --variants eager)
     TIMING=(--steps 1 --repeats 1 --warmup 1)
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -57,6 +60,7 @@ print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m)
     B_VARIANT=compile
     D_VARIANTS=compile_float8
     C_ARGS=(--flavor proxy_1b --tokens 16384 --dtype bf16)
+    E_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
     TIMING=(--steps 5 --repeats 2 --warmup 2)
 fi
 
@@ -77,6 +81,8 @@ run B "$PY" "$ROOT/benchmarks/step_bench.py" "${B_ARGS[@]}" --variants "$B_VARIA
 run D "$PY" "$ROOT/benchmarks/step_bench.py" "${B_ARGS[@]}" --variants "$D_VARIANTS" --float8-experts "${TIMING[@]}" \
     --device "$DEVICE" --json "$OUT_DIR/D.json"
 run C "$PY" "$ROOT/benchmarks/moe_bench.py" "${C_ARGS[@]}" --device "$DEVICE"
+run E "$PY" "$ROOT/benchmarks/step_bench.py" "${E_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" \
+    --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/E.json"
 
 "$PY" - "$OUT_DIR" <<'EOF'
 import json
@@ -107,19 +113,22 @@ def fmt(value, spec):
 
 
 rows = []
-a, b, c, d = load("A"), load("B"), load("C"), load("D")
-if a is None:
-    rows.append(("A step proxy_1b", "failed, see A.log", last_line("A")))
-else:
-    for name, r in a["variants"].items():
-        where = f"{a['flavor']} {a['dtype']} {name} {a['batch_size']}x{a['seq_len']}"
-        rows.append((f"A {where}", "tokens/s", fmt(r["tokens_per_s"], ",.0f")))
-        rows.append((f"A {where}", "MFU %", fmt(r["mfu_pct"], ".1f")))
-        rows.append((f"A {where}", "peak memory MiB", fmt(r["peak_mem_mib"], ".0f")))
-        rows.append((f"A {where}", "estimate / measured peak", fmt(r.get("estimate_vs_measured"), ".3f")))
-        rows.append((f"A {where}", "kernel launches per step", fmt(r.get("kernel_launches"), "d")))
-        rows.append((f"A {where}", "host syncs per step", fmt(r.get("host_syncs"), "d")))
-        rows.append((f"A {where}", "host reads of device values", fmt(r.get("host_reads"), "d")))
+a, b, c, d, e = load("A"), load("B"), load("C"), load("D"), load("E")
+for tag, res in (("A", a), ("E", e)):
+    if res is None:
+        rows.append((f"{tag} step proxy_1b", f"failed, see {tag}.log", last_line(tag)))
+        continue
+    for name, r in res["variants"].items():
+        where = f"{tag} {res['flavor']} {res['dtype']} {name} {res['batch_size']}x{res['seq_len']}"
+        rows.append((where, "tokens/s", fmt(r["tokens_per_s"], ",.0f")))
+        rows.append((where, "MFU %", fmt(r["mfu_pct"], ".1f")))
+        rows.append((where, "peak memory MiB", fmt(r["peak_mem_mib"], ".0f")))
+        rows.append((where, "estimate / measured peak", fmt(r.get("estimate_vs_measured"), ".3f")))
+        rows.append((where, "kernel launches per step", fmt(r.get("kernel_launches"), "d")))
+        rows.append((where, "host syncs per step", fmt(r.get("host_syncs"), "d")))
+        rows.append((where, "host reads of device values", fmt(r.get("host_reads"), "d")))
+        casts = r.get("weight_cast_bytes")
+        rows.append((where, "weight casts MiB per step", fmt(None if casts is None else casts / 2**20, ".1f")))
 for name, res in (("B", b), ("D", d)):
     if res is None:
         rows.append((f"{name} step 16B n_layers=4", f"failed, see {name}.log", last_line(name)))
@@ -141,13 +150,13 @@ else:
         where = f"C moe_bench {c['flavor']} {c['tokens']} tokens {c['dtype']} {r['variant']}"
         rows.append((where, "time / dense ideal", fmt(r["ratio_to_ideal"], ".2f")))
 
-device = next((x["device"] for x in (a, b, c, d) if x is not None), "unknown")
+device = next((x["device"] for x in (a, b, c, d, e) if x is not None), "unknown")
 print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")
 print("| measurement | figure | value |")
 print("|---|---|---|")
 for row in rows:
     print("| " + " | ".join(row) + " |")
-failed = [n for n in "ABCD" if (out / f"{n}.rc").read_text().strip() != "0"]
+failed = [n for n in "ABCDE" if (out / f"{n}.rc").read_text().strip() != "0"]
 if failed:
     print(f"\nfailed: {', '.join(failed)} (see {', '.join(n + '.log' for n in failed)})")
 sys.exit(1 if failed else 0)

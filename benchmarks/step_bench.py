@@ -58,6 +58,7 @@ from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # no
 from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.memory import estimate  # noqa: E402
+from trainer.mixed_precision import weight_cast_bytes  # noqa: E402
 from trainer.profiling import profile_step  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
@@ -174,6 +175,7 @@ class Variant:
         self.memory_note = ""
         self.peak_bytes: int | None = None
         self.profile: list[dict] = []
+        self.cast_bytes: int | None = None
 
     def step(self, measure_cuda_memory: bool = False) -> tuple[float, float]:
         t, device = self.trainer, self.trainer.device
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
                     trace = Path(a.trace_dir) / f"{v.name}_step{k}.json"
                     # No Python read counter under compile: dynamo cannot trace through its mode.
                     v.profile.append(profile_step(v.step, device, trace, count_python_reads="compile" not in v.name))
+                # Bytes of bf16/fp8 weight copies one step makes (a dispatch mode: eager variants only).
+                v.cast_bytes = None if "compile" in v.name else weight_cast_bytes(v.trainer.model, v.step)
         for v in variants:
             v.trainer.close()
 
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
             r["profile"] = v.profile
             for counter in ("kernel_launches", "host_syncs", "host_reads", "scalar_reads_aten"):
                 r[counter] = v.profile[-1][counter]
+            r["weight_cast_bytes"] = v.cast_bytes
         result["variants"][v.name] = r
     base = result["variants"][variants[0].name]
     for r in result["variants"].values():
@@ -415,7 +420,8 @@ def markdown(result: dict) -> str:
                 "n/a under compile" if step["host_reads"] is None
                 else f"{step['host_reads']} {step['host_reads_by_kind']}"
             )
-            lines += ["", f"Profile {name} step {k}: kernel launches {step['kernel_launches']} "
+            casts = "n/a under compile" if r["weight_cast_bytes"] is None else f"{r['weight_cast_bytes'] / 2**20:.1f} MiB"
+            lines += ["", f"Profile {name} step {k}: weight casts {casts}, kernel launches {step['kernel_launches']} "
                           f"({step['kernel_launch_counter']}), host syncs {syncs}, host reads of device values "
                           f"{reads}, aten scalar reads "
                           f"{step['scalar_reads_aten']}; trace {step.get('trace')}",

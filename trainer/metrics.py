@@ -68,6 +68,21 @@ def device_description(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
+# (record key, format) of the console line, in order.
+_LINE_FIELDS = (
+    ("loss", "loss {:.4f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("lr", "lr {:.2e}"),
+    ("tokens_per_sec", "tok/s {:,.0f}"),
+    ("tflops", "TFLOP/s {:.2f}"),
+    ("mfu_pct", "MFU {:.1f}%"),
+    ("memory_gib", "mem {:.2f}GiB"),
+    ("moe_imbalance", "moe max/mean {:.2f}"),
+    ("data_wait_pct", "data {:.1f}%"),
+)
+
+
 class MetricsLogger:
     """Writes one record per logged step to the console, the JSONL file and wandb.
 
@@ -110,26 +125,7 @@ class MetricsLogger:
         step = r["step"]
         width = len(str(self.total_steps))
         parts = [f"step {step:>{width}}/{self.total_steps} [{100 * step / self.total_steps:5.1f}%]"]
-        if "loss" in r:
-            parts.append(f"loss {r['loss']:.4f}")
-        if "val_loss" in r:
-            parts.append(f"val_loss {r['val_loss']:.4f}")
-        if "grad_norm" in r:
-            parts.append(f"gnorm {r['grad_norm']:.3f}")
-        if "lr" in r:
-            parts.append(f"lr {r['lr']:.2e}")
-        if "tokens_per_sec" in r:
-            parts.append(f"tok/s {r['tokens_per_sec']:,.0f}")
-        if "tflops" in r:
-            parts.append(f"TFLOP/s {r['tflops']:.2f}")
-        if "mfu_pct" in r:
-            parts.append(f"MFU {r['mfu_pct']:.1f}%")
-        if "memory_gib" in r:
-            parts.append(f"mem {r['memory_gib']:.2f}GiB")
-        if "moe_imbalance" in r:
-            parts.append(f"moe max/mean {r['moe_imbalance']:.2f}")
-        if "data_wait_pct" in r:
-            parts.append(f"data {r['data_wait_pct']:.1f}%")
+        parts += [fmt.format(r[key]) for key, fmt in _LINE_FIELDS if key in r]
         if "time/forward_backward_ms" in r:  # [profiling] step_breakdown
             labels = (("data_wait", "data"), ("forward_backward", "fwd+bwd"), ("reduce_clip", "clip"), ("optimizer", "opt"))
             parts.append("ms " + " ".join(f"{short} {r[f'time/{key}_ms']:.1f}" for key, short in labels))

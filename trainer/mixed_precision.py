@@ -13,20 +13,17 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer.parallel.distributed import local_tensor
+
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _storage(t) -> int | None:
     if not isinstance(t, torch.Tensor):
         return None
-    return _local(t).untyped_storage().data_ptr()
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 class _WeightCasts(TorchDispatchMode):

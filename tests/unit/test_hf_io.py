@@ -2,6 +2,7 @@
 an imported (sharded, and FP8-quantised) HF checkpoint against `transformers`."""
 
 import dataclasses
+import logging
 import importlib.util
 import json
 import math
@@ -200,7 +201,8 @@ def test_rope_scaling_is_the_configs_at_any_seq_len(max_seq_len):
     assert args_from_hf_config(out, max_seq_len=max_seq_len) == args
 
 
-def test_flavor_carries_the_release_rope_settings(tmp_path, caplog):
+def test_flavor_carries_the_release_rope_settings(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)  # a Trainer may have turned it off
     assert rope_mismatches(get_flavor("671B"), DEEPSEEK_V3_CONFIG) == []
     assert args_from_hf_config(DEEPSEEK_V3_CONFIG).max_position_embeddings == get_flavor("671B").max_position_embeddings
     disabled = dataclasses.replace(get_flavor("671B"), rope_type="default")

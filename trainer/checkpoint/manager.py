@@ -189,7 +189,11 @@ class CheckpointManager:
                 future = dcp.async_save(
                     state, storage_writer=writer, process_group=self._async_pg, no_dist=not is_distributed()
                 )
-            # torch >= 2.9 may return an AsyncSaveResponse; its upload future is the one to wait on.
+            # torch >= 2.9 may return an AsyncSaveResponse: the snapshot must be complete before
+            # training changes the state in place, then its upload future is the one to wait on.
+            staging = getattr(future, "staging_completion", None)
+            if staging is not None:
+                staging.result()
             future = getattr(future, "upload_completion", future)
             self._pending = _PendingSave(future, tmp, final, marker)
             logger.info(
