@@ -82,7 +82,17 @@ def _objective(out, labels, mtp_labels, n_valid, n_valid_mtp):
 
 
 def run_reference() -> list[tuple[float, float]]:
+    # Runs in the pytest process: one thread like the workers, and the caller's count restored
+    # afterwards (later in-process runs compare against subprocesses started with the default).
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _reference_history()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_history() -> list[tuple[float, float]]:
     model = build_model()
     opt = _optimizer(model)
     history = []

@@ -91,7 +91,8 @@ def test_exact_resume_after_sigkill_during_async_save(tmp_path):
 
     killed = tmp_path / "killed"
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS // 2), "--checkpoint.async_mode", "async"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The same intra-op thread count as the in-process runs: CPU reductions split by thread.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.run(
         [sys.executable, "-c", KILL_SCRIPT, *COMMON, "--job.dump_folder", str(killed), *ckpt],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
