@@ -2,7 +2,7 @@
 
 Model states follow this trainer's layout: FSDP2 shards non-expert weights over dp_shard x cp;
 tensor parallelism splits attention heads, dense / shared-expert FFNs, embedding and head, while
-`wq_a`, `wkv_a`, norms and the router stay replicated over tp; routed experts are split over ep
+`wqkv_a` (or `wkv_a`), norms and the router stay replicated over tp; routed experts are split over ep
 and FSDP-sharded over (dp_shard x cp) / ep, and replicated over tp (docs/parallelism.md). fp32
 master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two fp32 moments: 16 bytes per
 local parameter. Activations are estimates of the tensors autograd saves per token and layer

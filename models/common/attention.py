@@ -96,6 +96,7 @@ class MLA(nn.Module):
     Queries go through a low-rank bottleneck (`wq_a` -> `q_norm` -> `wq_b`) when `q_lora_rank > 0`,
     else one projection `wq`. Keys/values are compressed to a `kv_lora_rank` latent plus one shared
     (MQA-style) rope key by `wkv_a`, normalised by `kv_norm` and expanded per head by `wkv_b`.
+    With the query bottleneck, `wq_a` and `wkv_a` are one `wqkv_a` (their rows stacked: one matmul).
     Each head's query/key is `[nope | rope]` (`qk_nope_head_dim + qk_rope_head_dim`); values are
     `v_head_dim` wide.
 
@@ -139,11 +140,13 @@ class MLA(nn.Module):
 
         if q_lora_rank == 0:
             self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+            self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
         else:
-            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            # DeepSeek's wq_a and wkv_a both read x: one matmul over their stacked rows reads x once
+            # (and sums one input gradient in backward). HF names split it back (state_dict_adapter).
+            self.wqkv_a = nn.Linear(dim, q_lora_rank + kv_lora_rank + qk_rope_head_dim, bias=False)
             self.q_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
             self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
@@ -154,14 +157,15 @@ class MLA(nn.Module):
         bsz, seqlen, _ = x.shape
         if self.q_lora_rank == 0:
             q = self.wq(x)
+            kv = self.wkv_a(x)  # (B, S, kv_lora_rank + rope): latent + the single shared rope key
         else:
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
+            q_a, kv = self.wqkv_a(x).split([self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+            q = self.wq_b(self.q_norm(q_a))
         # Heads as -1 everywhere: under tensor parallelism this module sees only its local heads.
         q = q.view(bsz, seqlen, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = apply_rotary_emb(q_pe, freqs_cis)
 
-        kv = self.wkv_a(x)  # (B, S, kv_lora_rank + rope): latent + the single shared rope key
         kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (B, S, 1, rope)
         if self.latent_exchange is not None:
@@ -197,8 +201,8 @@ class MLA(nn.Module):
     def init_weights(self, init_std: float) -> None:
         # torchtitan's scheme: input projections at 0.02, the output projection (which writes into
         # the residual stream) at the caller's depth-scaled std.
-        in_projs = [self.wkv_a, self.wkv_b]
-        in_projs += [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        in_projs = [self.wkv_b]
+        in_projs += [self.wq, self.wkv_a] if self.q_lora_rank == 0 else [self.wqkv_a, self.wq_b]
         for linear in in_projs:
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)

@@ -78,6 +78,9 @@ _MTP = {
     "norm.weight": "shared_head.norm.weight",
 }
 _MTP_FROM_HF = {hf: ours for ours, hf in _MTP.items()}
+# With a query bottleneck our `attn.wqkv_a` stacks HF's q_a_proj and kv_a_proj_with_mqa rows
+# (one matmul); the adapter maps through the two per-projection names of `_BLOCK`.
+_FUSED_A = ("attn.wqkv_a.weight", ("attn.wq_a.weight", "attn.wkv_a.weight"))
 # Copies of the shared embedding / head stored in every released MTP layer.
 _MTP_SHARED_COPIES = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "head.weight"}
 # Our buffers with no HF counterpart: training-time routing counts, zero in a fresh load.
@@ -114,6 +117,7 @@ class DeepSeekV3StateDictAdapter:
         unknown = [k for k in state_dict if k not in self.expected_shapes]
         if unknown:
             raise KeyError(f"to_hf: keys this model (args) does not have: {_format_keys(unknown)}")
+        state_dict = self._split_fused(state_dict)
         hf: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
             if key in _TOP_LEVEL:
@@ -209,6 +213,7 @@ class DeepSeekV3StateDictAdapter:
                 )
             native[stacked] = torch.stack([per_expert[e] for e in range(n_experts)])  # (E, out, in)
 
+        self._stack_fused(native)
         self._fix_optional_keys(native, has_mtp)
         unknown += [k for k in native if k not in self.expected_shapes]
         if unknown:
@@ -224,6 +229,28 @@ class DeepSeekV3StateDictAdapter:
         if bad:
             raise ValueError("from_hf: shape mismatch (wrong args?): " + "; ".join(bad[:10]))
         return native
+
+    def _split_fused(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`...attn.wqkv_a.weight` -> its q_a and kv_a rows under the per-projection names (copies:
+        safetensors rejects tensors that share storage)."""
+        fused, (q_name, kv_name) = _FUSED_A
+        out = {}
+        for key, tensor in state_dict.items():
+            if key.endswith(fused):
+                prefix = key.removesuffix(fused)
+                q, kv = tensor.split([self.args.q_lora_rank, tensor.shape[0] - self.args.q_lora_rank])
+                out[prefix + q_name], out[prefix + kv_name] = q.clone(), kv.clone()
+            else:
+                out[key] = tensor
+        return out
+
+    def _stack_fused(self, native: dict[str, torch.Tensor]) -> None:
+        """The inverse of `_split_fused`, in place, where this model stacks the two projections."""
+        fused, (q_name, kv_name) = _FUSED_A
+        for key in [k for k in native if k.endswith(q_name)]:
+            prefix = key.removesuffix(q_name)
+            if prefix + fused in self.expected_shapes and prefix + kv_name in native:
+                native[prefix + fused] = torch.cat([native.pop(key), native.pop(prefix + kv_name)])
 
     def _fix_optional_keys(self, native: dict[str, torch.Tensor], has_mtp: bool) -> None:
         """Fill what HF does not store and drop what this model does not use (in place)."""

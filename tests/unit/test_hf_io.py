@@ -254,7 +254,7 @@ def test_bf16_export_and_import_keep_router_bias_fp32(tmp_path):
     assert torch.equal(hf_sd["model.layers.1.mlp.gate.e_score_correction_bias"], model.layers["1"].ffn.expert_bias)
     back = read_model_state_dict(convert_hf.import_hf(tmp_path / "hf", tmp_path / "dcp2", dtype="bfloat16"))
     assert back["layers.1.ffn.expert_bias"].dtype == torch.float32
-    assert back["layers.1.attn.wkv_a.weight"].dtype == torch.bfloat16
+    assert back["layers.1.attn.wqkv_a.weight"].dtype == torch.bfloat16
 
 
 def test_transformers_loads_export_without_unexpected_keys(tmp_path):

@@ -6,12 +6,13 @@ tensors); each block all-gathers it before attention / FFN and reduce-scatters t
 
 * embedding: vocab rows split (`RowwiseParallel`), output sequence-sharded;
   norms (`attn_norm`, `ffn_norm`, final `norm`, MTP `enorm`/`hnorm`): `SequenceParallel`.
-* MLA: heads split. `wq` (or `wq_b` after the replicated `wq_a` -> `q_norm`) and `wkv_b` are
-  column-parallel, `wo` row-parallel back to `Shard(1)`. The low-rank down projections `wq_a`,
-  `wkv_a` and their norms are small and stay replicated (`ReplicateParallel`), as in torchtitan.
-  MLA's single rope key (the last `qk_rope_head_dim` outputs of `wkv_a`) is shared by all heads,
-  but each rank uses it only for its own heads, so its gradient is a partial sum over the tp
-  ranks; `wkv_a`'s output hook all-reduces exactly those columns in backward.
+* MLA: heads split. `wq` (or `wq_b` after the replicated `q_norm`) and `wkv_b` are
+  column-parallel, `wo` row-parallel back to `Shard(1)`. The low-rank down projection (`wqkv_a`,
+  or `wkv_a` without a query bottleneck) and the norms are small and stay replicated
+  (`ReplicateParallel`), as in torchtitan. MLA's single rope key (its last `qk_rope_head_dim`
+  outputs) is shared by all heads, but each rank uses it only for its own heads, so its gradient
+  is a partial sum over the tp ranks; the projection's output hook all-reduces exactly those
+  columns in backward.
 * dense FFN and MoE shared experts: `w1`/`w3` column-parallel, `w2` row-parallel.
 * MoE router and routed experts are *not* split by TP: the MoE block gets the whole (all-gathered)
   sequence, and router and experts are replicated over tp (plain parameters, identical inputs,
@@ -113,15 +114,18 @@ def _attention_plan(attn: MLA) -> dict[str, ParallelStyle]:
             desired_input_layouts=(Replicate(), None, None),
             use_local_output=True,
         ),
-        "wkv_a": ReplicateParallel(reduce_grad_from=attn.kv_lora_rank),
         "kv_norm": ReplicateParallel(),
         "wkv_b": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=Shard(1)),
     }
     if attn.q_lora_rank == 0:
-        plan["wq"] = ColwiseParallel()
+        plan.update({"wq": ColwiseParallel(), "wkv_a": ReplicateParallel(reduce_grad_from=attn.kv_lora_rank)})
     else:
-        plan.update({"wq_a": ReplicateParallel(), "q_norm": ReplicateParallel(), "wq_b": ColwiseParallel()})
+        # wqkv_a's rows: [q latent | kv latent | rope key]; only the rope key is used per local head.
+        rope_from = attn.q_lora_rank + attn.kv_lora_rank
+        plan.update(
+            {"wqkv_a": ReplicateParallel(reduce_grad_from=rope_from), "q_norm": ReplicateParallel(), "wq_b": ColwiseParallel()}
+        )
     return plan
 
 
