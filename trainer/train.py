@@ -488,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_user_error("error: " + " ".join(str(e).split()))
     try:
         trainer.train()
+    except ConfigError as e:
+        # A setting that only the run itself can find wrong (e.g. a validation split smaller
+        # than one global batch): one line, as at startup.
+        return report_user_error(f"config error: {e}")
     except KeyboardInterrupt:
         logger.warning("interrupted at step %d; exiting", trainer.step)
         return 130

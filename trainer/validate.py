@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from trainer.config import ConfigError
+
 
 class Validator:
     def __init__(
@@ -53,7 +55,7 @@ class Validator:
             model.train(was_training)
         loss_sum, n_tokens = self.global_sum(totals).tolist()
         if n_tokens == 0:
-            raise RuntimeError(
+            raise ConfigError(
                 "the validation split produced no batch: it is smaller than one global batch of "
                 "global_batch_size x (seq_len + 1) tokens; use a smaller training.global_batch_size or "
                 "training.seq_len, more validation data, or disable validation with --no-validation.enable"
