@@ -141,7 +141,7 @@ def estimate(
     n_moe = a.n_layers - a.n_dense_layers
     kinds = [False] * a.n_dense_layers + [True] * n_moe + [True] * a.mtp_depth
     blocks = [_block_params(a, moe=k) for k in kinds]
-    embed_head = 2 * a.vocab_size * a.dim
+    embed_head = (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim  # a tied head is the embedding
 
     split = sum(b["tp_split"] for b in blocks) + embed_head + a.mtp_depth * 2 * a.dim * a.dim
     repl = sum(b["tp_replicated"] for b in blocks) + a.dim + a.mtp_depth * 3 * a.dim

@@ -154,7 +154,8 @@ class Trainer:
         self.tokenizer = build_tokenizer(tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, self.tokenizer.eos_id)
         self.parallel_dims.check_shapes(t.seq_len, vocab_size=self.model_args.vocab_size)
-        check_fits(cfg, self.model_args, self.parallel_dims, self.device)  # before a build that could not fit
+        if t.check_memory_fit:
+            check_fits(cfg, self.model_args, self.parallel_dims, self.device)  # before a build that could not fit
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
@@ -482,9 +483,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
+        destroy_distributed()  # a process group made before the mistake was found
         return report_user_error(f"config error: {e}")
     except (OSError, ValueError) as e:
         # Bad paths, files or data options found while building the run: one line, no traceback.
+        destroy_distributed()
         return report_user_error("error: " + " ".join(str(e).split()))
     try:
         trainer.train()

@@ -21,7 +21,8 @@ class MoE(nn.Module):
 
     Buffers:
         expert_bias [E] fp32: aux-loss-free selection bias (None when
-            `load_balance_coeff` is None), updated by `balance.update_expert_bias`.
+            `load_balance_coeff` is None), updated by `balance.apply_expert_bias_update`
+            (the trainer's `ExpertBiasUpdater.step`, once per optimizer step).
         tokens_per_expert [E] fp32: routed-token counts accumulated by training forwards
             since the last bias update.
     """

@@ -74,6 +74,9 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, x, src, dest, group):
         ctx.save_for_backward(dest)
         ctx.group = group
+        if x.shape[0] == 0:
+            # Only padding rows (an EP rank that received no token, CUDA alignment): zeros.
+            return x.new_zeros(src.shape[0], x.shape[-1])
         # Padding rows (src = num_slots) read the last source row: finite values whose outputs
         # are never read and whose gradients are zero, so they add exactly 0 to weight grads.
         rows = (src // group).clamp_max(x.shape[0] - 1)

@@ -197,3 +197,16 @@ def test_permutation_round_trip_and_padding(align):
     torch.testing.assert_close(per_slot, expected)
     per_slot.sum().backward()
     torch.testing.assert_close(x.grad, weights[perm.dest].view(num_tokens, top_k).sum(1, keepdim=True).expand(-1, 4))
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_permutation_of_no_rows(align):
+    """An expert-parallel rank can receive no token at all; with CUDA's alignment its buffer is
+    still padding rows only: zeros forward, an empty gradient backward."""
+    x = torch.zeros(0, 4, requires_grad=True)
+    perm = sort_by_expert(torch.zeros(0, dtype=torch.int64), 3, 1, align)
+    rows = permute(x, perm)
+    assert rows.shape == (perm.src.shape[0], 4) and not rows.any()
+    assert unpermute(rows, perm).shape == (0, 4)
+    rows.sum().backward()
+    assert x.grad.shape == (0, 4)

@@ -145,6 +145,11 @@ class Training(Section):
         "CPU only: glibc malloc keeps the memory a step frees for the next step instead of returning it to "
         "the OS and page-faulting it in again (faster, steadier steps; the process's memory no longer shrinks)",
     )
+    check_memory_fit: bool = _field(
+        True,
+        "Before building the model, refuse a run whose memory estimate (trainer/memory.py) exceeds the free "
+        "device memory; --no-training.check_memory_fit when the estimate is wrong for your setup",
+    )
     time_limit_minutes: float = _field(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")
     max_skipped_steps: int = _field(
         10, "Stop when this many consecutive steps had a non-finite loss or grad norm (each is skipped)"
