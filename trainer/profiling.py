@@ -172,7 +172,7 @@ _SYNC_EVENTS = frozenset({
     "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize", "cudaMemcpy",
 })
 # Tensor methods whose result is a Python value, so the host waits for (and copies) device data.
-_HOST_READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero"})
+_HOST_READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "numpy"})
 
 
 class HostReadCounter(TorchFunctionMode):
@@ -185,16 +185,20 @@ class HostReadCounter(TorchFunctionMode):
     def __init__(self, device_type: str):
         super().__init__()
         self.device_type = device_type
-        self.counts: Counter[str] = Counter()
+        self.reads: list[str] = []  # in call order
+
+    @property
+    def counts(self) -> Counter[str]:
+        return Counter(self.reads)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
         on_device = isinstance(first, torch.Tensor) and first.device.type == self.device_type
         if on_device and name in _HOST_READS:
-            self.counts[name] += 1
+            self.reads.append(name)
         elif on_device and name in ("__getitem__", "__setitem__") and _has_bool_tensor(args[1]):
-            self.counts["bool_index"] += 1
+            self.reads.append("bool_index")
         return func(*args, **(kwargs or {}))
 
 

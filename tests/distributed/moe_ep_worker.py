@@ -7,36 +7,18 @@ Host reads of device values are counted during the expert-parallel forward and b
 """
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 from models.moe import MoE
+from trainer.parallel.distributed import init_local_gloo, local_tensor
+from trainer.profiling import HostReadCounter
 
 N_LAYERS, B, S = 2, 2, 16
-READS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-    torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
-}
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Names of the tensor-to-Python reads made inside the context."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def build_layers() -> nn.ModuleList:
@@ -57,16 +39,11 @@ def forward_backward(layers: nn.ModuleList, x: torch.Tensor, grad_out: torch.Ten
     return h.detach(), x.grad
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def run(rank: int, world: int, port: int, queue) -> None:
     from trainer.parallel.expert_parallel import apply_expert_parallel
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_gloo(rank, world, port)
     try:
         reference = build_layers()
         layers = copy.deepcopy(reference)
@@ -76,7 +53,7 @@ def run(rank: int, world: int, port: int, queue) -> None:
         g = torch.Generator().manual_seed(10 + rank)
         dim = reference[0].gate.weight.shape[1]
         x, grad_out = torch.randn(B, S, dim, generator=g), torch.randn(B, S, dim, generator=g)
-        with HostReadCounter() as counter:
+        with HostReadCounter("cpu") as counter:
             out, dx = forward_backward(layers, x, grad_out)
         ref_out, ref_dx = forward_backward(reference, x, grad_out)
         tight = {"rtol": 1e-5, "atol": 1e-6}
@@ -90,7 +67,7 @@ def run(rank: int, world: int, port: int, queue) -> None:
                 dist.all_reduce(expected)
                 per_rank = expected.shape[0] // world
                 expected = expected[rank * per_rank : (rank + 1) * per_rank]
-            torch.testing.assert_close(_local(param.grad), expected, **tight, msg=name)
+            torch.testing.assert_close(local_tensor(param.grad), expected, **tight, msg=name)
         queue.put((rank, {"reads": counter.reads}))
     except Exception as exc:  # reported to the parent test, which fails with it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))

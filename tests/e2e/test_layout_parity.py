@@ -13,11 +13,12 @@ keeps each run to seconds; runs are shared between tests through a module-scoped
 import json
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from trainer.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REL = 1e-5
@@ -42,15 +43,9 @@ LAYOUTS = {
 SINGLE = (1, ["--training.local_batch_size", "8"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
     """run_train.sh with NGPU processes; returns metrics.jsonl records by step."""
-    env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
         cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900,

@@ -9,42 +9,15 @@ per-token loop written here.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 import models.moe.dispatcher as dispatcher_module
 from models.moe import MoE
 from models.moe.permutation import permute, sort_by_expert, unpermute
+from trainer.profiling import HostReadCounter
 
 ATOMIC_OPS = ("aten::index_add", "aten::index_put", "aten::scatter_add")
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Counts reads of tensor values into Python: `.item()`, `.tolist()`, `int()`, `float()`,
-    `bool()`, `nonzero` and boolean-mask indexing (whose output size needs the mask's count)."""
-
-    READS = {
-        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-        torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.READS:
-            self.reads.append(func.__name__)
-        elif func is torch.Tensor.__getitem__ and _has_bool_index(args[1]):
-            self.reads.append("boolean indexing")
-        return func(*args, **kwargs)
-
-
-def _has_bool_index(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
 def _debug_moe(seed: int = 0, **overrides) -> MoE:
@@ -121,7 +94,7 @@ def test_host_read_counter_sees_the_loop_path():
     """The counter can fail: the per-expert loop reads its split sizes with `.tolist()`."""
     moe = _debug_moe(use_grouped_mm=False)
     x, grad_out = _inputs(moe)
-    with HostReadCounter() as counter:
+    with HostReadCounter("cpu") as counter:
         _forward_backward(moe, x, grad_out)
     assert "tolist" in counter.reads
 
@@ -151,7 +124,7 @@ def test_grouped_mm_path_has_no_atomics_and_no_host_reads():
     assert _items_outside_grouped_mm(prof) == 0
 
     moe.zero_grad()
-    with HostReadCounter() as counter:
+    with HostReadCounter("cpu") as counter:
         _forward_backward(moe, x, grad_out)
     assert counter.reads == []
 

@@ -9,38 +9,16 @@ import textwrap
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config import load_config
 from trainer.loss import IGNORE_INDEX
 from trainer.parallel import ParallelDims, ParallelStep
+from trainer.profiling import HostReadCounter
 from trainer.train import Trainer
 
-# Tensor methods that copy a device value to the host (each a blocking sync on a GPU).
-HOST_READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "numpy"})
 LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}
 ATOMIC_OPS = ("aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_")
-
-
-class HostReads(TorchFunctionMode):
-    """Counts Python-level reads of tensor values (boolean-mask indexing included, whose
-    output size depends on the data)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS or (name == "__getitem__" and _has_mask(args[1:])):
-            self.reads[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _has_mask(index) -> bool:
-    items = index[0] if index and isinstance(index[0], tuple) else index
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
 def _trainer(tmp_path, *extra: str) -> Trainer:
@@ -68,13 +46,13 @@ def _profiled_step(trainer: Trainer):
     trainer.train_step(trainer.next_microbatches()[0])
     trainer.step = 2
     batches, _ = trainer.next_microbatches()
-    reads = HostReads()
+    reads = HostReadCounter("cpu")
     with profile(activities=[ProfilerActivity.CPU]) as prof, reads:
         stats = trainer.train_step(batches)
     ops = collections.Counter()
     for event in prof.events():
         ops[event.name] += 1
-    return stats, reads.reads, ops
+    return stats, reads.counts, ops
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +77,9 @@ def test_one_step_has_no_atomic_scatter(local_step):
 
 def test_the_counter_sees_host_reads():
     x = torch.arange(4.0)
-    with HostReads() as mode:
+    with HostReadCounter("cpu") as mode:
         x.sum().item(), x.tolist(), float(x[0]), int(x[1]), bool(x[2]), x.nonzero(), x[x > 1]
-    assert sum(mode.reads.values()) == 7, dict(mode.reads)
+    assert sum(mode.counts.values()) == 7, dict(mode.counts)
 
 
 def test_train_step_has_no_branch_on_the_layout():
