@@ -2,8 +2,9 @@
 the next step boundary, and a guard skips optimizer steps whose loss or gradient norm is not finite.
 
 Both decisions must be the same on every rank (a rank that stops or skips alone deadlocks the
-others in their next collective), so each takes an optional `agree` function that a parallel run
-sets to a MAX all-reduce over all ranks; a single process needs none.
+others in their next collective). A stop request is local (a signal, a clock), so `StopRequest`
+agrees through a MAX all-reduce over all ranks; the guard is given the step's global loss and
+gradient norm (already reduced over every rank), so every rank decides alike by itself.
 """
 
 from __future__ import annotations
@@ -83,15 +84,14 @@ class NonFiniteGuard:
     skip of the run and is saved with the checkpoint.
     """
 
-    def __init__(self, max_consecutive: int, agree: Agree = all_ranks_any):
+    def __init__(self, max_consecutive: int):
         self.max_consecutive = max_consecutive
-        self.agree = agree
         self.consecutive = 0
         self.total = 0
 
     def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
-        bad = self.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
-        if not bad:
+        """``loss`` and ``grad_norm`` must be the global values (the same on every rank)."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             self.consecutive = 0
             return False
         self.consecutive += 1

@@ -212,9 +212,7 @@ class Trainer:
         self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
         self.step = 0
         self._log_run_header(tokenizer_path, global_batch)
-        # The guard sees the global loss and grad norm (already reduced over every rank), so
-        # all ranks decide alike without a collective of its own.
-        self.nonfinite = NonFiniteGuard(t.max_skipped_steps, agree=lambda bad: bad)
+        self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,

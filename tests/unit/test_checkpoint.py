@@ -218,7 +218,7 @@ def test_stop_request_signal_and_time_limit():
 
 
 def test_nonfinite_guard_counts_and_stops():
-    guard = NonFiniteGuard(max_consecutive=2, agree=lambda f: f)
+    guard = NonFiniteGuard(max_consecutive=2)
     assert not guard.should_skip(1, 1.0, 1.0)
     assert guard.should_skip(2, math.nan, 1.0)
     assert not guard.should_skip(3, 1.0, 1.0)

@@ -94,15 +94,21 @@ def test_fp8_block_dequant_ragged_edges(tmp_path):
         read_hf_state_dict(tmp_path)
 
 
-def test_dcp_hf_round_trip_is_identity(tmp_path):
-    args = tiny_args(mtp_depth=1)
-    torch.manual_seed(1)
+def _model_with_routing_bias(args: DeepSeekV3ModelArgs, seed: int, bias_std: float) -> DeepSeekV3Model:
+    """A random model whose MoE layers have a non-zero `expert_bias` (zero after init)."""
+    torch.manual_seed(seed)
     model = DeepSeekV3Model(args)
     model.init_weights()
     with torch.no_grad():
         for layer in model.layers.values():
             if layer.moe_enabled:
-                layer.ffn.expert_bias.normal_(0.0, 0.1)
+                layer.ffn.expert_bias.normal_(0.0, bias_std)
+    return model
+
+
+def test_dcp_hf_round_trip_is_identity(tmp_path):
+    args = tiny_args(mtp_depth=1)
+    model = _model_with_routing_bias(args, seed=1, bias_std=0.1)
     native = model.state_dict()
     save_model_checkpoint(native, tmp_path / "dcp", args)
 
@@ -236,13 +242,7 @@ def test_rope_scaling_absent_keys_and_unsupported_types():
 
 def test_bf16_export_and_import_keep_router_bias_fp32(tmp_path):
     args = tiny_args(mtp_depth=1)
-    torch.manual_seed(2)
-    model = DeepSeekV3Model(args)
-    model.init_weights()
-    with torch.no_grad():
-        for layer in model.layers.values():
-            if layer.moe_enabled:
-                layer.ffn.expert_bias.normal_(0.0, 1e-3)
+    model = _model_with_routing_bias(args, seed=2, bias_std=1e-3)
     save_model_checkpoint(model.state_dict(), tmp_path / "dcp", args)
     convert_hf.export_hf(tmp_path / "dcp", tmp_path / "hf", dtype="bfloat16")
     hf_sd = read_hf_state_dict(tmp_path / "hf")

@@ -44,6 +44,7 @@ from models.moe.permutation import (
     unpermute,
 )
 
+
 class _A2AContext(NamedTuple):
     send: ExpertPermutation  # (token, choice) slots -> send rows, sorted by global expert
     recv: ExpertPermutation  # received rows -> rows sorted (and aligned) by local expert

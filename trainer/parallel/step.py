@@ -31,7 +31,7 @@ from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.distributed import all_reduce_sum
 from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads, table_row_ranges
-from trainer.parallel.weight_init import init_model_weights
+from trainer.parallel.weight_init import global_name, init_model_weights
 from trainer.parallel.fsdp import set_reshard_after_backward
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
@@ -139,7 +139,7 @@ class ParallelStep:
 
     def reduce_losses(self, *losses: torch.Tensor) -> torch.Tensor:
         """Sums of this rank's step losses over all ranks, stacked."""
-        return all_reduce_sum(torch.stack(losses), self.loss_mesh)
+        return self.global_sum(torch.stack(losses))
 
     def finish_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Makes every gradient final (TP partial sums, Engram table replicas) and clips them by
@@ -158,20 +158,15 @@ class ParallelStep:
         return all_reduce_sum(tensor, self.loss_mesh)
 
 
-def _clean(name: str) -> str:
-    # checkpoint_wrapper and torch.compile insert these into parameter names.
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copies single-device tensors (``full[name]``) into the parallel model in place: each
     DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
-    table_rows = table_row_ranges(model, _clean)  # Engram tables may hold a row range only
+    table_rows = table_row_ranges(model, global_name)  # Engram tables may hold a row range only
     for raw_name, tensor in tensors.items():
-        name = _clean(raw_name)
+        name = global_name(raw_name)
         if name not in full:
             continue
         src = full[name]

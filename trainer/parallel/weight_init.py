@@ -70,7 +70,7 @@ class _KeyedDraws(TorchFunctionMode):
     def __init__(self, model: nn.Module, seed: int):
         super().__init__()
         self.seed = seed
-        self.names = {id(p): _global_name(name) for name, p in model.named_parameters()}
+        self.names = {id(p): global_name(name) for name, p in model.named_parameters()}
         self.draws: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -104,7 +104,7 @@ class _KeyedDraws(TorchFunctionMode):
         _fill(param, draw, key=(self.seed, name, count))
 
 
-def _global_name(name: str) -> str:
+def global_name(name: str) -> str:
     """The parameter's name in the plain model: without the wrappers that activation
     checkpointing and ``torch.compile`` insert (their names depend on the run's options)."""
     for wrapper in WRAPPER_PREFIXES:
