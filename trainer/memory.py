@@ -107,12 +107,11 @@ def cuda_block_bytes(nbytes: float) -> int:
 def _block_tensor_numels(a: DeepSeekV3ModelArgs, moe: bool) -> list[int]:
     """Element counts of one block's parameter tensors, unsharded (for the allocator rounding)."""
     d, h = a.dim, a.n_heads
-    t = [d, d, d * (a.kv_lora_rank + a.qk_rope_head_dim), a.kv_lora_rank,
-         a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim), h * a.v_head_dim * d]
-    if a.q_lora_rank == 0:
-        t.append(d * h * a.qk_head_dim)
-    else:
-        t += [d * a.q_lora_rank, a.q_lora_rank, a.q_lora_rank * h * a.qk_head_dim]
+    t = [d, d, a.kv_lora_rank, a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim), h * a.v_head_dim * d]
+    if a.q_lora_rank == 0:  # wq, wkv_a
+        t += [d * h * a.qk_head_dim, d * (a.kv_lora_rank + a.qk_rope_head_dim)]
+    else:  # wqkv_a (wq_a and wkv_a stacked: one tensor), q_norm, wq_b
+        t += [d * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim), a.q_lora_rank, a.q_lora_rank * h * a.qk_head_dim]
     if moe:
         m = a.moe
         t += [m.num_experts * d] + [m.num_experts * d * a.moe_inter_dim] * 3

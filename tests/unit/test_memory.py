@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.deepseek_v3 import get_flavor
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.config import ConfigError, load_config
 from trainer.memory import GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
 from trainer.parallel.parallel_dims import ParallelDims
@@ -79,3 +79,17 @@ def test_the_trainer_asks_before_the_build_unless_switched_off(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="does not fit"):
         train_module.Trainer(cfg("checked"))
     train_module.Trainer(cfg("unchecked", "--no-training.check_memory_fit")).close()
+
+
+@pytest.mark.parametrize("flavor", ["proxy_1b", "16B"])  # with and without the query bottleneck
+def test_allocator_rounding_sees_the_blocks_real_tensors(flavor):
+    """The CUDA rounding term rounds each parameter tensor: its list must be the module's."""
+    from trainer.memory import _block_tensor_numels
+
+    args = get_flavor(flavor)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    for i, moe in ((0, False), (args.n_dense_layers, True)):
+        block = model.layers[str(i)]
+        real = sorted(p.numel() for p in block.parameters())
+        assert real == sorted(_block_tensor_numels(args, moe)), (flavor, i)
