@@ -39,9 +39,20 @@ def init_distributed(device: torch.device) -> None:
     """
     if world_size_from_env() == 1 or is_distributed():
         return
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend=backend, **kwargs)
+    dist.init_process_group(**_group_options(device))
+
+
+def init_one_process_group(device: torch.device) -> None:
+    """A one-rank default process group over an in-memory store (no port, no launcher), for
+    single-process code that needs one (FSDP2's mixed precision); none is made if one exists."""
+    if not is_distributed():
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **_group_options(device))
+
+
+def _group_options(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"backend": "cpu:gloo,cuda:nccl", "device_id": device}
+    return {"backend": "gloo"}
 
 
 def destroy_distributed() -> None:

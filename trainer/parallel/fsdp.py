@@ -19,7 +19,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.moe import MoE
-from trainer.parallel.distributed import all_reduce_sum, local_tensor
+from trainer.parallel.distributed import all_reduce_sum, init_one_process_group, local_tensor
 
 RESHARD_POLICIES = ("default", "always", "never")
 
@@ -129,10 +128,8 @@ def one_process_mesh(device_type: str):
     (an in-memory store: no port, no launcher) unless one exists. FSDP2 on it shards nothing;
     what it adds is the mixed-precision cast of every weight once per unshard instead of
     autocast's cast at every use."""
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device_type == "cuda" else {}
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    init_one_process_group(device)
     return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
 
 
