@@ -10,11 +10,11 @@ machine noise hits them alike; the reported time is the median over rounds.
 
     python benchmarks/moe_bench.py                       # debugmodel sizes, CPU, fp32
     python benchmarks/moe_bench.py --flavor proxy_1b --dtype bf16 --tokens 16384   # GPU
-    python benchmarks/moe_bench.py --flavor 16B --model-override top_k=4 --dtype bf16
+    python benchmarks/moe_bench.py --flavor 16B --model-override moe.top_k=4 --dtype bf16
 
 `--compile` runs every variant through `torch.compile` (the trainer's dynamo settings); on one
-device the MoE block is then one graph. `--model-override key=value` (repeatable) changes a `DeepSeekV3ModelArgs` or `MoEArgs` field of
-the flavor (benchmarks/model_overrides.py).
+device the MoE block is then one graph. `--model-override key=value` (repeatable) changes a
+field of the flavor's `DeepSeekV3ModelArgs` (`moe.*` for `MoEArgs`; benchmarks/model_overrides.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--model-override", action="append", default=[], metavar="KEY=VALUE",
-        help="change a DeepSeekV3ModelArgs/MoEArgs field of the flavor, e.g. n_layers=4 or top_k=6 (repeatable)",
+        help="change a field of the flavor, e.g. dim=2048 or moe.top_k=6 (repeatable; see benchmarks/model_overrides.py)",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's forward")
     a = p.parse_args()
