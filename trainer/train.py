@@ -47,6 +47,7 @@ from trainer.profiling import Profiler, StepBreakdown
 from trainer.parallel import (
     ParallelDims,
     destroy_distributed,
+    exit_process,
     init_distributed,
     is_rank0,
     local_rank_from_env,
@@ -505,4 +506,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: a finished distributed run must not abort in the interpreter teardown
+    # (exit_process explains).
+    exit_process(main())

@@ -1,6 +1,10 @@
 """The local gloo launcher (`spawn_local`) and the collective helpers of trainer/parallel/distributed.py."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from trainer.parallel.distributed import (
     spawn_local,
 )
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def _sum_ranks(rank: int, world: int, port: int, flag_rank: int, queue) -> None:
     init_local_gloo(rank, world, port)
@@ -25,9 +31,9 @@ def _sum_ranks(rank: int, world: int, port: int, flag_rank: int, queue) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _rank1_dies(rank: int, world: int, port: int, queue) -> None:
+def _rank1_dies(rank: int, world: int, port: int, error: BaseException, queue) -> None:
     if rank == 1:
-        raise SystemExit(3)
+        raise error
     time.sleep(600)  # rank 0 would wait for rank 1 in its next collective
 
 
@@ -44,8 +50,28 @@ def test_spawn_local_returns_every_rank_result():
     assert results == [(0, 2, 1.0, True), (1, 2, 1.0, True)]
 
 
-def test_spawn_local_fails_fast_when_a_rank_dies():
+@pytest.mark.parametrize("error, code", [(SystemExit(3), 3), (ValueError("bad shard"), 1)])
+def test_spawn_local_fails_fast_when_a_rank_dies(error, code):
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank: exit code\): \{1: 3\}"):
-        spawn_local(_rank1_dies, 2, timeout=300)
+    with pytest.raises(RuntimeError, match=rf"rank: exit code\): \{{1: {code}\}}"):
+        spawn_local(_rank1_dies, 2, error, timeout=300)
     assert time.monotonic() - start < 120
+
+
+def test_exit_process_destroys_groups_runs_atexit_flushes_and_keeps_the_code(tmp_path):
+    marker = tmp_path / "atexit.txt"
+    script = "\n".join([
+        "import atexit, sys, torch",
+        "import torch.distributed as dist",
+        "from trainer.parallel.distributed import exit_process, init_one_process_group",
+        "init_one_process_group(torch.device('cpu'))",
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write(f'initialized={{dist.is_initialized()}}'))",
+        "sys.stdout.write('unflushed line')",
+        "exit_process(3)",
+    ])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushed line"
+    # The handlers ran, and after the process group was gone.
+    assert marker.read_text() == "initialized=False"

@@ -3,7 +3,13 @@
 The trainer uses only these entry points; the ``apply_*`` modules behind them are details.
 """
 
-from trainer.parallel.distributed import destroy_distributed, init_distributed, is_rank0, local_rank_from_env
+from trainer.parallel.distributed import (
+    destroy_distributed,
+    exit_process,
+    init_distributed,
+    is_rank0,
+    local_rank_from_env,
+)
 from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
 from trainer.parallel.parallelize import parallelize_model
 from trainer.parallel.step import MicroBatch, ParallelStep
@@ -14,6 +20,7 @@ __all__ = [
     "ParallelDimsError",
     "ParallelStep",
     "destroy_distributed",
+    "exit_process",
     "init_distributed",
     "is_rank0",
     "local_rank_from_env",

@@ -6,11 +6,15 @@ of the file starts local gloo process groups for the distributed tests and the b
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue as queue_lib
 import socket
+import sys
 import time
-from typing import Any, Callable
+import traceback
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -58,6 +62,27 @@ def _group_options(device: torch.device) -> dict:
 def destroy_distributed() -> None:
     if is_distributed():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends this process with `code`: destroys the process groups, runs the atexit handlers
+    (logging, wandb, compile workers), flushes stdout/stderr, then leaves through ``os._exit``.
+
+    Why not a plain ``sys.exit``: torch keeps some gloo process groups alive after
+    ``destroy_process_group`` (those DTensor, FSDP2 and the functional collectives resolved),
+    and their worker threads can still be dropping the last reference to a collective's
+    tensor while the interpreter finalizes. Taking the GIL then ends the thread with
+    ``pthread_exit``, which the C++ runtime turns into ``terminate called without an active
+    exception``: SIGABRT (exit -6) after a run that finished, and torchrun then kills the other
+    ranks. ``benchmarks/exit_race.py`` measures it. Skipping the finalization removes the
+    window; everything a run writes is closed or flushed before this point.
+    """
+    destroy_distributed()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def global_rank() -> int:
@@ -124,7 +149,9 @@ def spawn_local(target: Callable, world: int, *args, results: int | None = None,
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world, port, *args, out_queue)) for rank in range(world)]
+    procs = [
+        ctx.Process(target=_run_rank, args=(target, rank, world, port, args, out_queue)) for rank in range(world)
+    ]
     for p in procs:
         p.start()
     out: list[Any] = []
@@ -156,3 +183,21 @@ def spawn_local(target: Callable, world: int, *args, results: int | None = None,
     if any(code != 0 for code in codes):
         raise RuntimeError(f"ranks exited with {codes} (a rank still running 120 s after the results is terminated)")
     return out
+
+
+def _run_rank(target: Callable, rank: int, world: int, port: int, args: tuple, out_queue) -> NoReturn:
+    """One `spawn_local` rank: runs `target`, sends what it queued, and ends through
+    `exit_process` (with the SystemExit code `target` raised, or 1 after the traceback of any
+    other exception)."""
+    code = 0
+    try:
+        target(rank, world, port, *args, out_queue)
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # The queue's feeder thread writes in the background: wait for it before os._exit.
+    out_queue.close()
+    out_queue.join_thread()
+    exit_process(code)

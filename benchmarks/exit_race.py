@@ -1,0 +1,88 @@
+"""How often a finished gloo job aborts while its processes exit, with and without `exit_process`.
+
+    python benchmarks/exit_race.py [--runs 75] [--parallel 3] [--plain-exit]
+
+Launches `--runs` 4-rank torchrun jobs (`--parallel` at a time, so that the ranks compete for
+the cores as in CI) of a worker that sums tensors with functional collectives over a DeviceMesh
+sub-group, as DTensor and FSDP2 do, then destroys the process group. The worker leaves through
+`trainer.parallel.distributed.exit_process`, or with `--plain-exit` through `sys.exit` and the
+interpreter's teardown. Prints the jobs that failed and why ("terminate called without an active
+exception" is the abort `exit_process` exists for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ABORT = "terminate called without an active exception"
+
+
+def worker(plain_exit: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.distributed import exit_process
+
+    dist.init_process_group("gloo")
+    group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"].get_group()
+    for _ in range(20):
+        total = funcol.wait_tensor(funcol.all_reduce(torch.ones(100_000), "sum", group))
+        assert float(total[0]) == 2.0
+        del total
+    dist.destroy_process_group()
+    if plain_exit:
+        sys.exit(0)
+    exit_process(0)
+
+
+def launch(plain_exit: bool) -> str | None:
+    """One torchrun job; None when it succeeded, else the reason it failed."""
+    from trainer.parallel.distributed import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+        __file__, "--worker", *(["--plain-exit"] if plain_exit else []),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, cwd=tmp, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+    if proc.returncode == 0:
+        return None
+    out = proc.stdout + proc.stderr
+    return ABORT if ABORT in out else f"exit code {proc.returncode}: {out.strip().splitlines()[-1][:200]}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=75)
+    ap.add_argument("--parallel", type=int, default=3, help="jobs at a time")
+    ap.add_argument("--plain-exit", action="store_true", help="leave through sys.exit, not exit_process")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.plain_exit)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        failures = [f for f in pool.map(lambda _: launch(args.plain_exit), range(args.runs)) if f]
+    exit_path = "sys.exit" if args.plain_exit else "exit_process"
+    aborts = sum(f == ABORT for f in failures)
+    print(f"{exit_path}: {len(failures)} of {args.runs} jobs failed, {aborts} of them with '{ABORT}'")
+    for other in sorted({f for f in failures if f != ABORT}):
+        print(f"  other failure: {other}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
