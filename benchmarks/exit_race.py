@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,12 +58,18 @@ def launch(plain_exit: bool) -> str | None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=300, cwd=tmp, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            cmd, capture_output=True, text=True, timeout=300, cwd=tmp,
+            # The fault handler names the thread of an abort in the output.
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
         )
     if proc.returncode == 0:
         return None
     out = proc.stdout + proc.stderr
-    return ABORT if ABORT in out else f"exit code {proc.returncode}: {out.strip().splitlines()[-1][:200]}"
+    if ABORT in out:
+        return ABORT
+    worker_codes = sorted(set(re.findall(r"exitcode\s*:\s*(-?\d+)", out)))
+    first_error = next((line.strip()[:160] for line in out.splitlines() if "rror" in line), "")
+    return f"torchrun exit code {proc.returncode}, worker exit codes {worker_codes}: {first_error}"
 
 
 def main() -> int:
