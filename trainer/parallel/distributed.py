@@ -68,14 +68,15 @@ def exit_process(code: int) -> NoReturn:
     """Ends this process with `code`: destroys the process groups, runs the atexit handlers
     (logging, wandb, compile workers), flushes stdout/stderr, then leaves through ``os._exit``.
 
-    Why not a plain ``sys.exit``: torch keeps some gloo process groups alive after
-    ``destroy_process_group`` (those DTensor, FSDP2 and the functional collectives resolved),
-    and their worker threads can still be dropping the last reference to a collective's
-    tensor while the interpreter finalizes. Taking the GIL then ends the thread with
-    ``pthread_exit``, which the C++ runtime turns into ``terminate called without an active
-    exception``: SIGABRT (exit -6) after a run that finished, and torchrun then kills the other
-    ranks. ``benchmarks/exit_race.py`` measures it. Skipping the finalization removes the
-    window; everything a run writes is closed or flushed before this point.
+    Why not a plain ``sys.exit``: gloo process groups outlive ``destroy_process_group``. Some are
+    held by torch itself (the functional collectives that DTensor and FSDP2 use), others by the
+    run's modules (FSDP2's state, the EP dispatcher), whose reference cycles only the garbage
+    collection of the interpreter's teardown frees. Their C++ worker threads run on into that
+    teardown, and now and then the process dies there with ``terminate called without an active
+    exception`` (SIGABRT, exit -6; the aborting thread holds a Python thread state but no Python
+    frame) after a run that finished, and torchrun then stops the other ranks.
+    ``benchmarks/exit_race.py`` reproduces it. Everything a run writes is closed or flushed
+    before this point, so skipping the teardown loses nothing.
     """
     destroy_distributed()
     atexit._run_exitfuncs()
