@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 
+from trainer.config.combinations import LOCAL_FORMATS as LOCAL_DATASET_NAMES
 from trainer.data.shared_tokenize import SharedTokenizer
 from trainer.data.tokenizer import Tokenizer
 
@@ -419,7 +420,7 @@ def _load_documents(
             )
         data = datasets.load_dataset("json", data_files=str(BUNDLED_CORPUS), split="train", streaming=bool(streaming))
         return data, split, "shakespeare"
-    if dataset in ("json", "text", "parquet", "auto"):
+    if dataset in LOCAL_DATASET_NAMES:
         builder, files = _resolve_local_files(dataset, dataset_path)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
