@@ -222,10 +222,6 @@ class Layout:
         return self.dp_replicate > 1
 
     @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
     def fsdp_enabled(self) -> bool:
         """FSDP shards parameters whenever dp_shard x cp > 1 (cp ranks share the weights)."""
         return self.fsdp_degree > 1
