@@ -9,11 +9,15 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_modules
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.distributed import init_local_gloo
+from trainer.parallel.engram_parallel import table_row_ranges
+from trainer.parallel.weight_init import global_name
 
 VOCAB, B, S = 32, 2, 16
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=29, head_dim=4, seed=5)
@@ -212,6 +216,27 @@ def global_batch(step: int) -> torch.Tensor:
     return tokens
 
 
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copies single-device tensors (``full[name]``) into the parallel model in place: each
+    DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    table_rows = table_row_ranges(model, global_name)  # Engram tables may hold a row range only
+    for raw_name, tensor in tensors.items():
+        name = global_name(raw_name)
+        if name not in full:
+            continue
+        src = full[name]
+        if name in table_rows:
+            src = src[slice(*table_rows[name])]
+        if isinstance(tensor, DTensor):
+            local = distribute_tensor(src.to(tensor.device), tensor.device_mesh, tensor.placements).to_local()
+            tensor.to_local().copy_(local)
+        else:
+            tensor.copy_(src)
+
+
 def run_checkpoint(
     rank: int, world: int, port: int, degree: int, mode: str, ckpt_dir: str, offload: bool, queue
 ) -> None:
@@ -227,7 +252,6 @@ def run_checkpoint(
     from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.parallelize import parallelize_model
-    from trainer.parallel.step import load_full_state_dict
 
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)

@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.deepseek_v3 import mtp_loss
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
 from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.distributed import all_reduce_sum
-from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads, table_row_ranges
-from trainer.parallel.weight_init import global_name, init_model_weights
+from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
+from trainer.parallel.weight_init import init_model_weights
 from trainer.parallel.fsdp import set_reshard_after_backward
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
@@ -156,24 +155,3 @@ class ParallelStep:
         """In-place sum over every rank that saw different tokens (the "loss" mesh: data and
         context ranks); a no-op on one process. MoE token counts and validation sums use it."""
         return all_reduce_sum(tensor, self.loss_mesh)
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copies single-device tensors (``full[name]``) into the parallel model in place: each
-    DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    table_rows = table_row_ranges(model, global_name)  # Engram tables may hold a row range only
-    for raw_name, tensor in tensors.items():
-        name = global_name(raw_name)
-        if name not in full:
-            continue
-        src = full[name]
-        if name in table_rows:
-            src = src[slice(*table_rows[name])]
-        if isinstance(tensor, DTensor):
-            local = distribute_tensor(src.to(tensor.device), tensor.device_mesh, tensor.placements).to_local()
-            tensor.to_local().copy_(local)
-        else:
-            tensor.copy_(src)
