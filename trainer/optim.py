@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from models.engram import engram_table_params
 from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
 from trainer.engram_optim import offload_engram_group, register_table_state_hooks
+from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -29,20 +30,24 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
 
 
 def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.Optimizer:
-    """AdamW/Adam from the ``[optimizer]`` section.
+    """The optimizer of the ``[optimizer]`` section.
 
     Matrices and embeddings decay; 1-D parameters (norm scales) do not, as in Megatron
     and nanoGPT: decaying a norm scale towards zero only fights the next layer.
+    ``name = "muon"`` moves the block matrices (``trainer.muon.muon_params``) to a Muon group,
+    tagged ``"muon": True``; the rest keeps AdamW. ``muon`` or ``state_dtype = "bfloat16"``
+    builds ``trainer.muon.MuonAdamW``, otherwise it is ``torch.optim.AdamW`` / ``Adam``.
     Engram tables (``[engram]`` section) get their own group, tagged ``"engram": True``:
     LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam). Their state
     is checkpointed in a layout-independent form (row-sharded over the engram mesh, also when
     it lives on the CPU with ``offload_optimizer_state``).
     """
     tables = engram_table_params(model) if engram_cfg is not None and engram_cfg.enable else []
-    table_ids = {id(p) for p in tables}
+    muon = muon_params(model) if opt_cfg.name == "muon" else []
+    excluded = {id(p) for p in tables + muon}
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad and id(p) not in table_ids:
+        if p.requires_grad and id(p) not in excluded:
             (decay if p.ndim >= 2 else no_decay).append(p)
     # Plain tensors and DTensors cannot share one fused / foreach kernel call (TP without FSDP
     # keeps the MoE router and routed experts plain): one group per kind, empty ones dropped.
@@ -51,30 +56,40 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
         for params, wd in ((decay, opt_cfg.weight_decay), (no_decay, 0.0))
         for is_dtensor in (False, True)
     ]
+    if muon:
+        groups.append({"params": muon, "weight_decay": opt_cfg.weight_decay, "muon": True})
     groups = [g for g in groups if g["params"]]
     if tables:
         groups.append(
             {"params": tables, "lr": opt_cfg.lr * engram_cfg.lr_multiplier,
              "weight_decay": engram_cfg.weight_decay, "engram": True}
         )
-    kwargs = dict(
-        lr=opt_cfg.lr,
-        betas=(opt_cfg.beta1, opt_cfg.beta2),
-        eps=opt_cfg.eps,
-        **_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables),
-    )
-    if opt_cfg.name == "AdamW":
+    kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps)
+    if opt_cfg.name == "muon" or opt_cfg.state_dtype != "float32":
+        optimizer = MuonAdamW(
+            groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum, nesterov=opt_cfg.muon_nesterov,
+            ns_steps=opt_cfg.muon_ns_steps, state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
+        )
+    elif opt_cfg.name == "AdamW":
+        kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))
         optimizer = torch.optim.AdamW(groups, **kwargs)
     elif opt_cfg.name == "Adam":
         # Adam's weight_decay is L2 added to the gradient, not decoupled.
+        kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))
         optimizer = torch.optim.Adam(groups, **kwargs)
     else:
-        raise ValueError(f"optimizer.name must be AdamW or Adam, got {opt_cfg.name!r}")
+        raise ValueError(f"optimizer.name must be AdamW, Adam or muon, got {opt_cfg.name!r}")
     if tables and engram_cfg.offload_optimizer_state:
         offload_engram_group(optimizer)
     if tables:
         register_table_state_hooks(optimizer, model)
     return optimizer
+
+
+def optimizer_signature(opt_cfg) -> str:
+    """What a checkpoint's optimizer state was made by (``name/state_dtype``): resuming it with
+    another signature is refused unless ``checkpoint.reset_optimizer`` starts the state afresh."""
+    return f"{opt_cfg.name}/{opt_cfg.state_dtype}"
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:

@@ -48,6 +48,16 @@ def combination_problems(cfg: Any) -> list[str]:
             f"validation.dataset = {v.dataset!r} reads local files: set --validation.dataset_path "
             "(a file, a glob or a directory)."
         )
+    if cfg.optimizer.qk_clip and cfg.parallelism.tp > 1:
+        problems.append(
+            "optimizer.qk_clip does not support tensor parallelism (a rank holds only some heads' weights); "
+            "use --parallelism.tp 1 or drop --optimizer.qk_clip."
+        )
+    if cfg.optimizer.qk_clip and cfg.model.attn_backend != "sdpa":
+        problems.append(
+            "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
+            "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
+        )
     return problems
 
 
@@ -72,6 +82,8 @@ _GATES = (
     ),
     ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
     ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
+    ("optimizer.name", lambda c: c.optimizer.name != "muon", ("muon_momentum", "muon_nesterov", "muon_ns_steps")),
+    ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
 )
 
 

@@ -183,7 +183,10 @@ class Training(Section):
 
 @dataclass
 class Optimizer(Section):
-    name: str = _field("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    name: str = _field(
+        "AdamW", "Optimizer; muon = Muon on the block matrices and AdamW on the rest (docs/optimizers.md)",
+        choices=("AdamW", "Adam", "muon"),
+    )
     lr: float = _field(8e-4, "Peak learning rate")
     beta1: float = _field(0.9, "Adam beta1")
     beta2: float = _field(0.95, "Adam beta2")
@@ -193,6 +196,18 @@ class Optimizer(Section):
         "auto", "Optimizer kernel; auto = fused on GPU, foreach otherwise",
         choices=("auto", "fused", "foreach", "for-loop"),
     )
+    state_dtype: str = _field(
+        "float32", "Dtype of the optimizer states (AdamW moments, Muon momentum); weights stay fp32",
+        choices=("float32", "bfloat16"),
+    )
+    muon_momentum: float = _field(0.95, "Muon momentum mu")
+    muon_nesterov: bool = _field(True, "Muon: orthogonalise the Nesterov momentum (else the plain momentum)")
+    muon_ns_steps: int = _field(5, "Muon: Newton-Schulz iterations")
+    qk_clip: bool = _field(
+        False, "MuonClip's QK-clip: rescale a head's MLA query/key weights once its max logit passes the threshold"
+    )
+    qk_clip_threshold: float = _field(100.0, "QK-clip: largest pre-softmax attention logit a head may keep")
+    qk_clip_every: int = _field(1, "QK-clip: record the logits and clip every N steps")
 
     def problems(self) -> list[str]:
         return _failed(
@@ -201,6 +216,18 @@ class Optimizer(Section):
             (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}."),
             (self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}."),
             (self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}."),
+            (
+                self.name != "Adam" or self.state_dtype == "float32",
+                "optimizer.state_dtype = 'bfloat16' is for AdamW and muon (Adam keeps torch's fp32 states); "
+                "use --optimizer.name AdamW or --optimizer.state_dtype float32.",
+            ),
+            (0 <= self.muon_momentum < 1, f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}."),
+            (1 <= self.muon_ns_steps < 100, f"optimizer.muon_ns_steps must be in [1, 99], got {self.muon_ns_steps}."),
+            (
+                self.qk_clip_threshold > 0,
+                f"optimizer.qk_clip_threshold must be > 0 (a logit bound, e.g. 100), got {self.qk_clip_threshold}.",
+            ),
+            (self.qk_clip_every >= 1, f"optimizer.qk_clip_every must be >= 1, got {self.qk_clip_every}."),
         )
 
 
@@ -273,6 +300,9 @@ class Checkpoint(Section):
         choices=("disabled", "async"),
     )
     load_step: int = _field(-1, "Step to resume from; -1 = the newest complete checkpoint")
+    reset_optimizer: bool = _field(
+        False, "Resume weights, schedule and data position but start the optimizer state afresh (to switch optimizer)"
+    )
     last_save_model_only: bool = _field(False, "Make the final save model weights only, in export_dtype")
     export_dtype: str = _field(
         "bfloat16", "Weight dtype of the model-only final save", choices=("float32", "bfloat16", "float16")

@@ -1,0 +1,153 @@
+"""Muon maths against from-scratch references written here, the parameter split, bf16 states."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor
+from trainer.config import JobConfig
+from trainer.muon import MuonAdamW, muon_params, orthogonalize, rms_matched_scale
+from trainer.optim import build_optimizer
+
+
+def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's quintic iteration X <- aX + (b XX^T + c (XX^T)^2) X on the wide orientation,
+    after scaling X to Frobenius norm 1, all in bf16."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.to(torch.bfloat16)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp_min(1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (40, 12)])
+def test_newton_schulz_matches_reference(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ours = orthogonalize(g, 5)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), reference_newton_schulz(g).float(), atol=3e-2, rtol=0)
+    # Orthogonalised: the singular values land near 1 (Muon's iteration leaves them in ~[0.6, 1.2]).
+    s = torch.linalg.svdvals(ours.float())
+    assert s.min() > 0.5 and s.max() < 1.3, s
+
+
+def test_expert_stack_is_orthogonalised_per_matrix():
+    g = torch.randn(3, 8, 20, generator=torch.Generator().manual_seed(1))
+    stacked = orthogonalize(g, 5)
+    for e in range(3):
+        assert torch.equal(stacked[e], orthogonalize(g[e], 5))
+
+
+def test_rms_matched_scale():
+    # An A x B matrix with unit singular values has RMS 1/sqrt(max(A, B)); the scale lifts it to
+    # AdamW's typical update RMS 0.2.
+    for a, b in [(64, 256), (256, 64), (100, 100)]:
+        assert rms_matched_scale(torch.Size([a, b])) == pytest.approx(0.2 * math.sqrt(max(a, b)))
+        u, _, vh = torch.linalg.svd(torch.randn(a, b, dtype=torch.float64), full_matrices=False)
+        ortho = u @ vh
+        rms = (ortho * rms_matched_scale(ortho.shape)).pow(2).mean().sqrt()
+        assert rms.item() == pytest.approx(0.2, rel=1e-9)
+    assert rms_matched_scale(torch.Size([8, 64, 256])) == pytest.approx(0.2 * 16)  # expert stack: its matrices
+
+
+def _reference_muon(w, grads, lr, wd, mu, nesterov):
+    """Muon written out: EMA momentum, Nesterov look-ahead, NS, decoupled decay, Moonlight's scale."""
+    w, buf = w.clone(), torch.zeros_like(w)
+    for g in grads:
+        buf = mu * buf + (1 - mu) * g
+        u = (1 - mu) * g + mu * buf if nesterov else buf
+        o = torch.stack([reference_newton_schulz(m) for m in u]) if u.ndim == 3 else reference_newton_schulz(u)
+        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape[-2:])) * o.float()
+    return w
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("shape", [(24, 16), (2, 12, 20)])
+def test_muon_step_matches_reference(shape, nesterov):
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    p = nn.Parameter(w0.clone())
+    opt = MuonAdamW([{"params": [p], "muon": True}], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                    momentum=0.9, nesterov=nesterov)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    expected = _reference_muon(w0, grads, lr=0.02, wd=0.1, mu=0.9, nesterov=nesterov)
+    # bf16 Newton-Schulz: the two bf16 programs round differently; lr x scale x bf16 eps bounds it.
+    torch.testing.assert_close(p.detach(), expected, atol=2e-3, rtol=0)
+    buf = 0
+    for g in grads:
+        buf = 0.9 * buf + 0.1 * g
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf, atol=1e-6, rtol=1e-6)
+
+
+def test_muon_equals_torch_muon_on_plain_matrices():
+    gen = torch.Generator().manual_seed(3)
+    ours, theirs = nn.Parameter(torch.randn(32, 48, generator=gen)), nn.Parameter(torch.empty(32, 48))
+    theirs.data.copy_(ours.data)
+    opt = MuonAdamW([{"params": [ours], "muon": True}], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        g = torch.randn(32, 48, generator=gen)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(ours, theirs)
+
+
+def test_adamw_part_equals_torch_adamw_and_bf16_states():
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(64, 16, generator=gen)
+    params = {k: nn.Parameter(w0.clone()) for k in ("torch", "fp32", "bf16")}
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opts = {
+        "torch": torch.optim.AdamW([params["torch"]], foreach=False, **kw),
+        "fp32": MuonAdamW([params["fp32"]], **kw),
+        "bf16": MuonAdamW([params["bf16"]], state_dtype=torch.bfloat16, **kw),
+    }
+    for _ in range(5):
+        g = torch.randn(64, 16, generator=gen)
+        for k, opt in opts.items():
+            params[k].grad = g.clone()
+            opt.step()
+    torch.testing.assert_close(params["fp32"], params["torch"], atol=1e-6, rtol=1e-6)
+    state = opts["bf16"].state[params["bf16"]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert params["bf16"].dtype == torch.float32
+    # bf16 moments (8 mantissa bits): the updates differ from fp32's by about their relative precision.
+    torch.testing.assert_close(params["bf16"], params["torch"], atol=5e-4, rtol=0)
+
+
+def test_parameter_split_and_groups():
+    args = get_flavor("debugmodel")
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for p in muon_params(model)}
+    for n in muon:
+        assert n.startswith(("layers.", "mtp.")), n
+        assert not n.endswith(("norm.weight", "gate.weight")), n
+    assert "layers.1.ffn.experts.w1" in muon and "layers.0.attn.wq.weight" in muon
+    assert "mtp.0.eh_proj.weight" in muon and "layers.2.ffn.shared_experts.w2.weight" in muon
+    adamw = set(names.values()) - muon
+    assert {"embed.weight", "head.weight", "layers.1.ffn.gate.weight", "norm.weight"} <= adamw
+    assert all(n.endswith(("norm.weight", "gate.weight")) or n in ("embed.weight", "head.weight") for n in adamw)
+
+    cfg = JobConfig().optimizer
+    cfg.name, cfg.state_dtype = "muon", "bfloat16"
+    opt = build_optimizer(model, cfg)
+    (group,) = [g for g in opt.param_groups if g["muon"]]
+    assert {names[id(p)] for p in group["params"]} == muon
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(names)
+    loss = model(torch.randint(0, args.vocab_size, (1, 16))).logits.float().square().mean()
+    loss.backward()
+    opt.step()
+    assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for k, v in s.items() if k != "step")
