@@ -39,7 +39,7 @@ def launch(folder: Path, name: str, lr: float, extra: list[str]) -> subprocess.P
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(29600 + 10 * OPTIMIZERS.index(name) + LRS.index(lr)))
     cmd = [str(ROOT / "run_train.sh"), "--optimizer.name", name, "--optimizer.lr", str(lr),
            "--job.dump_folder", str(folder), *extra]
-    log = open(folder.with_suffix(".out"), "w")
+    log = open(folder.parent / f"{folder.name}.out", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
