@@ -79,6 +79,7 @@ _LINE_FIELDS = (
     ("mfu_pct", "MFU {:.1f}%"),
     ("memory_gib", "mem {:.2f}GiB"),
     ("moe_imbalance", "moe max/mean {:.2f}"),
+    ("max_logit", "max logit {:.1f}"),
     ("data_wait_pct", "data {:.1f}%"),
 )
 

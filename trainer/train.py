@@ -44,6 +44,7 @@ from trainer.metrics import (
 )
 from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
 from trainer.profiling import Profiler, StepBreakdown
+from trainer.qk_clip import QKClip
 from trainer.parallel import (
     ParallelDims,
     destroy_distributed,
@@ -184,6 +185,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.bias_updater = ExpertBiasUpdater(model, self.parallel.global_sum)
+        o = cfg.optimizer
+        self.qk_clip = QKClip(model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
@@ -317,6 +320,8 @@ class Trainer:
         """Forward and backward of every micro-batch, then one optimizer step; the layout's
         share (batch split, global counts and sums, gradient finishing) is `self.parallel`'s."""
         micro, n_valid, n_valid_mtp = self.parallel.prepare(batches, self.model_args.mtp_depth)
+        if self.qk_clip is not None:
+            self.qk_clip.begin_step(self.step)
         aux_scale = 1.0 / (len(micro) * self.parallel.loss_degree)  # per-rank balance means -> global
         loss_total = torch.zeros((), device=self.device)
         mtp_total = torch.zeros((), device=self.device)
@@ -343,11 +348,14 @@ class Trainer:
         # The step's one host read. Checked before the step, so a NaN never reaches the weights
         # nor the MoE bias. The schedule still advances: LR stays a function of the step.
         loss_value, mtp_value, norm_value = torch.cat([totals, grad_norm.to(totals).view(1)]).tolist()
-        if self.nonfinite.should_skip(self.step, loss_value, norm_value):
+        skip = self.nonfinite.should_skip(self.step, loss_value, norm_value)
+        if skip:
             self.bias_updater.skip()
         else:
             self.bias_updater.step()
             optimizer_step(self.optimizer)
+        if self.qk_clip is not None:
+            self.qk_clip.end_step(stepped=not skip)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")
@@ -360,6 +368,8 @@ class Trainer:
         """Metrics that need host reads of their own, gathered on logging steps only: Engram
         gate statistics (over the steps since the last call) and the last MoE load imbalance."""
         stats = engram_metrics(self.model)
+        if self.qk_clip is not None:
+            stats.update(self.qk_clip.metrics())
         moe_stats = self.bias_updater.stats()
         if moe_stats:
             # max/mean expert load, averaged over MoE layers, and the worst layer's.

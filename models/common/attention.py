@@ -137,6 +137,11 @@ class MLA(nn.Module):
         # -> the same for the whole sequence` (trainer/parallel/context_parallel.py): only the
         # compressed latent crosses ranks, queries stay local. None = single device.
         self.latent_exchange = None
+        # QK-clip (trainer/qk_clip.py) turns recording on for the steps it clips at; `max_logit`
+        # is then the per-head `[H]` max of the pre-softmax logits over this module's forwards
+        # since the trainer last reset it to None.
+        self.record_max_logit = False
+        self.max_logit: torch.Tensor | None = None
 
         if q_lora_rank == 0:
             self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
@@ -178,6 +183,8 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (B, S, H, qk_head_dim)
         # (B, S, H, D) -> (B, H, S, D), the layout both kernels expect
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.record_max_logit:
+            self._record_max_logit(q, k, attn_mask)
 
         if self.backend == "sdpa":
             # The flash kernels (CUDA and CPU) need equal q/k/v head dims; MLA's values are
@@ -197,6 +204,20 @@ class MLA(nn.Module):
             out = self.flex_attention(q, k, v, block_mask=attn_mask, scale=self.softmax_scale)
         out = out.transpose(1, 2).flatten(2)  # (B, H, S, v_head_dim) -> (B, S, H * v_head_dim)
         return self.wo(out)
+
+    @torch.no_grad()
+    def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor, attn_mask: AttentionMask) -> None:
+        """Folds this forward's per-head max logit into `max_logit`. A separate pass: the fused SDPA
+        kernels never expose their logits. One sequence at a time bounds the `[H, S, S]` buffer."""
+        if attn_mask is None:  # is_causal: SDPA's top-left aligned causal mask
+            attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        per_sequence = []
+        for b in range(q.shape[0]):
+            logits = torch.matmul(q[b].float(), k[b].float().transpose(-2, -1)) * self.softmax_scale
+            mask = attn_mask[b] if attn_mask.ndim == 4 else attn_mask
+            per_sequence.append(logits.masked_fill(~mask, float("-inf")).amax(dim=(1, 2)))
+        head_max = torch.stack(per_sequence).amax(dim=0)
+        self.max_logit = head_max if self.max_logit is None else torch.maximum(self.max_logit, head_max)
 
     def init_weights(self, init_std: float) -> None:
         # torchtitan's scheme: input projections at 0.02, the output projection (which writes into
