@@ -4,8 +4,9 @@ Model states follow this trainer's layout: FSDP2 shards non-expert weights over 
 tensor parallelism splits attention heads, dense / shared-expert FFNs, embedding and head, while
 `wqkv_a` (or `wkv_a`), norms and the router stay replicated over tp; routed experts are split over ep
 and FSDP-sharded over (dp_shard x cp) / ep, and replicated over tp (docs/parallelism.md). fp32
-master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two fp32 moments: 16 bytes per
-local parameter. Activations are estimates of the tensors autograd saves per token and layer
+master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two moments (8 bytes per parameter
+in fp32, 4 with `optimizer.state_dtype = "bfloat16"`); under `optimizer.name = "muon"` the block
+matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two moments. Activations are estimates of the tensors autograd saves per token and layer
 (listed in `_layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
 `ac="full"` keeps each block's input plus one block's activations during recompute.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
@@ -40,19 +41,29 @@ from trainer.config import ConfigError
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
-STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master, fp32 grads, AdamW m and v
+STATE_BYTES = {"params": 4, "grads": 4}  # fp32 master weights and gradients
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # per optimizer-state element
+
+
+def optimizer_state_bytes(local_params: float, local_muon_params: float, state_dtype: str) -> float:
+    """Bytes of optimizer state: one momentum buffer per Muon parameter, AdamW's two moments for the rest."""
+    element = STATE_DTYPE_BYTES[state_dtype]
+    return (local_params - local_muon_params) * 2 * element + local_muon_params * element
 
 
 def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
     """Parameters of one block split by how they are laid out: tp-split, tp-replicated, routed experts."""
     d, h = a.dim, a.n_heads
     split = h * a.v_head_dim * d + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)  # wo, wkv_b
-    repl = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + 2 * d  # wkv_a, kv_norm, 2 norms
+    matrices = d * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a (and wq_a): replicated, Muon's
+    repl = a.kv_lora_rank + 2 * d  # kv_norm, 2 norms
     if a.q_lora_rank == 0:
         split += d * h * a.qk_head_dim
     else:
         split += a.q_lora_rank * h * a.qk_head_dim
-        repl += d * a.q_lora_rank + a.q_lora_rank
+        matrices += d * a.q_lora_rank
+        repl += a.q_lora_rank
+    repl += matrices
     experts = 0
     if moe:
         m = a.moe
@@ -61,7 +72,7 @@ def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
         experts = m.num_experts * 3 * d * a.moe_inter_dim
     else:
         split += 3 * d * a.inter_dim
-    return {"tp_split": split, "tp_replicated": repl, "experts": experts}
+    return {"tp_split": split, "tp_replicated": repl, "experts": experts, "tp_replicated_matrices": matrices}
 
 
 def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
@@ -124,11 +135,12 @@ def _block_tensor_numels(a: DeepSeekV3ModelArgs, moe: bool) -> list[int]:
 def estimate(
     flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
-    block_causal_sdpa: bool = False,
+    block_causal_sdpa: bool = False, optimizer: str = "AdamW", state_dtype: str = "float32",
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
-    ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask."""
+    ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask; ``optimizer``
+    and ``state_dtype``: ``[optimizer] name`` and ``state_dtype``."""
     a = model_args or get_flavor(flavor)
     act_bytes = ACT_BYTES[mixed_precision]
     if seq_len % (2 * cp) and cp > 1:
@@ -148,6 +160,11 @@ def estimate(
     total = split + repl + experts
     local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
     states = {k: local * v / GiB for k, v in STATE_BYTES.items()}
+    muon_local = 0.0
+    if optimizer == "muon":  # every block matrix and expert; embedding, head, norms, routers stay AdamW
+        muon_local = (split - embed_head) / (tp * fsdp) + experts / (ep * efsdp)
+        muon_local += sum(b["tp_replicated_matrices"] for b in blocks) / fsdp
+    states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
 
     # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
     # param dtype, and the block being reduced holds its fp32 unsharded gradient. Without
@@ -240,6 +257,7 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
         cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.context_degree, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
+        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
     )
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:

@@ -2,7 +2,8 @@
 
 Muon (Keller Jordan; Moonlight, "Muon is Scalable for LLM Training") replaces a matrix's update by
 the orthogonalised Nesterov momentum: `B <- mu B + (1 - mu) G`, `U = NS((1 - mu) G + mu B)` (five
-quintic Newton-Schulz iterations in bf16, torch's `torch.optim.Muon` kernel), then decoupled
+quintic Newton-Schulz iterations in bf16, torch's `torch.optim.Muon` kernel; fp32 on CPUs, see
+`newton_schulz`), then decoupled
 weight decay `W <- W (1 - lr wd)` and `W <- W - lr 0.2 sqrt(max(A, B)) U`. The factor matches the
 update's RMS to AdamW's (Moonlight), so AdamW's LR schedule and weight decay carry over.
 Which parameters are matrices is `muon_params`' rule (docs/optimizers.md).
@@ -63,13 +64,29 @@ def rms_matched_scale(shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def orthogonalize(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
-    """Newton-Schulz of each matrix of `update` (`[A, B]` or a stack `[E, A, B]`), in bf16."""
+def newton_schulz(matrix: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration `X <- aX + (b XX^T + c (XX^T)^2) X` from `X = G / |G|_F`
+    (on the wide orientation), computed in `dtype`. bf16 is torch.optim.Muon's own kernel; fp32
+    exists because CPUs without bf16 matrix units (AVX2) multiply bf16 about 5x slower than fp32."""
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(matrix, NS_COEFFICIENTS, ns_steps, EPS)
+    a, b, c = NS_COEFFICIENTS
+    tall = matrix.shape[0] > matrix.shape[1]
+    x = matrix.T if tall else matrix
+    x = x.to(dtype) / x.norm().clamp(min=EPS).to(dtype)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def orthogonalize(update: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz of each matrix of `update` (`[A, B]` or a stack `[E, A, B]`), in `dtype`."""
     if update.ndim == 2:
-        return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS)
-    out = torch.empty_like(update, dtype=torch.bfloat16)
+        return newton_schulz(update, ns_steps, dtype)
+    out = torch.empty_like(update, dtype=dtype)
     for i in range(update.shape[0]):  # one matrix at a time: the same kernel as an unsharded run
-        out[i] = _zeropower_via_newtonschulz(update[i], NS_COEFFICIENTS, ns_steps, EPS)
+        out[i] = newton_schulz(update[i], ns_steps, dtype)
     return out
 
 
@@ -107,11 +124,13 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(
         self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, state_dtype: torch.dtype = torch.float32,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon=False)
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
+        self.ns_dtype = ns_dtype
 
     def _buffer(self, p: torch.Tensor, name: str) -> torch.Tensor:
         state = self.state[p]
@@ -140,10 +159,11 @@ class MuonAdamW(torch.optim.Optimizer):
         if buf is not stored:
             stored.copy_(buf)
         update = grad.lerp(buf, mu) if group["nesterov"] else buf
+        steps, dtype = group["ns_steps"], self.ns_dtype
         if holds_whole_matrices(p):
-            ortho = orthogonalize(update, group["ns_steps"])
+            ortho = orthogonalize(update, steps, dtype)
         else:
-            ortho = local_part(orthogonalize(full_from_local(update, p), group["ns_steps"]), p)
+            ortho = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
         weight = local_tensor(p)
         weight.mul_(1 - lr * group["weight_decay"])
         weight.add_(ortho, alpha=-lr * rms_matched_scale(p.shape))

@@ -29,6 +29,12 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
     return {}
 
 
+def _ns_dtype(setting: str, params: list[torch.Tensor]) -> torch.dtype:
+    if setting == "auto":  # bf16 where matrix units multiply it fast (GPUs), fp32 on CPUs
+        return torch.bfloat16 if any(p.device.type == "cuda" for p in params) else torch.float32
+    return STATE_DTYPES[setting]
+
+
 def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.Optimizer:
     """The optimizer of the ``[optimizer]`` section.
 
@@ -69,6 +75,7 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
         optimizer = MuonAdamW(
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum, nesterov=opt_cfg.muon_nesterov,
             ns_steps=opt_cfg.muon_ns_steps, state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
+            ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))
@@ -86,10 +93,13 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     return optimizer
 
 
-def optimizer_signature(opt_cfg) -> str:
-    """What a checkpoint's optimizer state was made by (``name/state_dtype``): resuming it with
-    another signature is refused unless ``checkpoint.reset_optimizer`` starts the state afresh."""
-    return f"{opt_cfg.name}/{opt_cfg.state_dtype}"
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> str:
+    """What made an optimizer's state, as ``name/state_dtype`` (``muon/bfloat16``, ``AdamW/float32``):
+    checkpoints record it, and resuming one into another is refused (``checkpoint.reset_optimizer``)."""
+    if isinstance(optimizer, MuonAdamW):
+        name = "muon" if any(g["muon"] for g in optimizer.param_groups) else "AdamW"
+        return f"{name}/{str(optimizer.state_dtype).removeprefix('torch.')}"
+    return f"{type(optimizer).__name__}/float32"
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:

@@ -151,3 +151,22 @@ def test_parameter_split_and_groups():
     loss.backward()
     opt.step()
     assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for k, v in s.items() if k != "step")
+
+
+@pytest.mark.parametrize("name,state_dtype", [("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"),
+                                              ("muon", "bfloat16")])
+def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
+    from trainer.memory import GiB, estimate
+
+    args = get_flavor("debugmodel")
+    model = DeepSeekV3Model(args)
+    cfg = JobConfig().optimizer
+    cfg.name, cfg.state_dtype = name, state_dtype
+    opt = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    held = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+    est = estimate("debugmodel", 1, 1, 1, 1, 64, 1, "none", model_args=args, device_type="cpu",
+                   optimizer=name, state_dtype=state_dtype)
+    assert est["gib"]["optimizer"] * GiB == pytest.approx(held, rel=1e-9)

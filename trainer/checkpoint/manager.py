@@ -38,7 +38,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 from trainer.checkpoint.folder import (
@@ -63,6 +68,7 @@ from trainer.checkpoint.folder import (
     seal,
     short_error,
 )
+from trainer.optim import optimizer_signature
 from trainer.parallel.distributed import barrier, global_rank, global_world_size, is_distributed
 
 logger = logging.getLogger("trainer")
@@ -182,6 +188,8 @@ class CheckpointManager:
                   "world_size": global_world_size()}
         if model_only:
             marker["dtype"] = self.cfg.export_dtype
+        else:
+            marker["optimizer"] = optimizer_signature(self.optimizer)
         start = time.perf_counter()
         writer = self.storage_writer_factory(tmp)
         if self.cfg.async_mode == "async" and not last:
@@ -308,6 +316,9 @@ class CheckpointManager:
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
         state = self._full_state(saved_train_state)
         check_model_fits(info.path, state["model"], shapes)
+        reset_optimizer = self._optimizer_switched(info.path)
+        if reset_optimizer:
+            del state["optimizer"]
         rank_key = self._rank_key()
         own = state.pop(rank_key)
         saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := RANK_STATE.match(k))})
@@ -324,13 +335,35 @@ class CheckpointManager:
             dcp_load(state, info.path)
         except LOAD_ERRORS as e:
             raise UnreadableCheckpoint(short_error(e)) from None
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if reset_optimizer:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
         train_state = state["train_state"]
         self._last_saved_step = int(train_state["step"])
         logger.info("resumed from %s (step %d) in %.2fs", info.path, train_state["step"], time.perf_counter() - start)
         return train_state
+
+    def _optimizer_switched(self, path: Path) -> bool:
+        """Whether the checkpoint's optimizer state is another optimizer's (`name/state_dtype`), which
+        `checkpoint.reset_optimizer` allows (its state then starts afresh) and anything else refuses.
+        Checkpoints older than the marker's "optimizer" entry are taken as this run's."""
+        current = optimizer_signature(self.optimizer)
+        saved = read_marker(path).get("optimizer", current)
+        if saved == current:
+            return False
+        if not self.cfg.reset_optimizer:
+            raise CheckpointError(
+                f"{path} holds {saved} optimizer state but this run uses {current} (optimizer.name/state_dtype); "
+                "resume with the same optimizer, or add --checkpoint.reset_optimizer to start its state afresh"
+            )
+        logger.warning("%s: optimizer state of %s not loaded, %s starts afresh (checkpoint.reset_optimizer)",
+                       path.name, saved, current)
+        return True
 
     def _restore_rank_state(self, saved: list[tuple[int, dict]], name: str) -> None:
         """Data position (a position in the global sample stream, valid in any layout) and RNG

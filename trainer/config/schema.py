@@ -203,6 +203,10 @@ class Optimizer(Section):
     muon_momentum: float = _field(0.95, "Muon momentum mu")
     muon_nesterov: bool = _field(True, "Muon: orthogonalise the Nesterov momentum (else the plain momentum)")
     muon_ns_steps: int = _field(5, "Muon: Newton-Schulz iterations")
+    muon_ns_dtype: str = _field(
+        "auto", "Muon: Newton-Schulz dtype; auto = bfloat16 on GPUs, float32 on CPUs (bf16 matmuls are slow there)",
+        choices=("auto", "bfloat16", "float32"),
+    )
     qk_clip: bool = _field(
         False, "MuonClip's QK-clip: rescale a head's MLA query/key weights once its max logit passes the threshold"
     )
