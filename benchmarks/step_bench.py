@@ -71,6 +71,10 @@ VARIANTS = {
     "compile": ["--training.compile"],
     "eager_float8": ["--quantize.float8"],
     "compile_float8": ["--training.compile", "--quantize.float8"],
+    # Optimizers (docs/optimizers.md): AdamW fp32 is "eager".
+    "adamw_bf16": ["--optimizer.state_dtype", "bfloat16"],
+    "muon": ["--optimizer.name", "muon"],
+    "muon_bf16": ["--optimizer.name", "muon", "--optimizer.state_dtype", "bfloat16"],
 }
 
 

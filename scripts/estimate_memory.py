@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", choices=("full", "none"), default="full")
     p.add_argument("--mixed_precision", choices=tuple(ACT_BYTES), default="bfloat16",
                    help="activation dtype: training.mixed_precision_param")
+    p.add_argument("--optimizer", choices=("AdamW", "muon"), default="AdamW", help="optimizer.name")
+    p.add_argument("--state_dtype", choices=("float32", "bfloat16"), default="float32", help="optimizer.state_dtype")
     p.add_argument("--gpu_gib", type=float, default=80.0, help="device memory to compare against")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda adds the bf16 weight copies, allocator rounding and cuBLAS workspace")
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
-                     args.ac, args.mixed_precision, device_type=args.device)
+                     args.ac, args.mixed_precision, device_type=args.device, optimizer=args.optimizer,
+                     state_dtype=args.state_dtype)
     except ValueError as e:
         p.error(str(e))
     if args.json:
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
           f"local batch {lay['local_batch_size']}, AC {lay['ac']}")
     print(f"  parameters per GPU        {r['params_per_gpu_B']:8.3f} B")
     for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"),
-                       ("backward_temporaries", "embed/head grad temps"), ("optimizer", "AdamW states"),
+                       ("backward_temporaries", "embed/head grad temps"), ("optimizer", "optimizer states"),
                        ("fsdp_unsharded_block", "FSDP unsharded blocks"), ("bf16_weight_copies", "bf16 weight copies"),
                        ("allocator_rounding", "allocator rounding"), ("cublas_workspace", "cuBLAS workspace"),
                        ("layers", "activations (blocks)"),

@@ -55,12 +55,15 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     for p in model.parameters():
         if p.requires_grad and id(p) not in excluded:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    # Plain tensors and DTensors cannot share one fused / foreach kernel call (TP without FSDP
-    # keeps the MoE router and routed experts plain): one group per kind, empty ones dropped.
+    ours = opt_cfg.name == "muon" or opt_cfg.state_dtype != "float32"
+    # Plain tensors and DTensors cannot share one fused / foreach kernel call of torch's AdamW (TP
+    # without FSDP keeps the MoE router and routed experts plain): one group per kind. MuonAdamW
+    # steps each local tensor and keeps the same groups in every layout (DCP matches them by index).
+    kinds = ((False, True),) if ours else ((False,), (True,))
     groups = [
-        {"params": [p for p in params if isinstance(p, DTensor) == is_dtensor], "weight_decay": wd}
+        {"params": [p for p in params if isinstance(p, DTensor) in kind], "weight_decay": wd}
         for params, wd in ((decay, opt_cfg.weight_decay), (no_decay, 0.0))
-        for is_dtensor in (False, True)
+        for kind in kinds
     ]
     if muon:
         groups.append({"params": muon, "weight_decay": opt_cfg.weight_decay, "muon": True})
@@ -71,7 +74,7 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
              "weight_decay": engram_cfg.weight_decay, "engram": True}
         )
     kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps)
-    if opt_cfg.name == "muon" or opt_cfg.state_dtype != "float32":
+    if ours:
         optimizer = MuonAdamW(
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum, nesterov=opt_cfg.muon_nesterov,
             ns_steps=opt_cfg.muon_ns_steps, state_dtype=STATE_DTYPES[opt_cfg.state_dtype],

@@ -170,3 +170,32 @@ def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
     est = estimate("debugmodel", 1, 1, 1, 1, 64, 1, "none", model_args=args, device_type="cpu",
                    optimizer=name, state_dtype=state_dtype)
     assert est["gib"]["optimizer"] * GiB == pytest.approx(held, rel=1e-9)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--optimizer.name", "lion"], ["optimizer.name = 'lion'", "AdamW, Adam, muon"]),
+    (["--optimizer.name", "muon", "--optimizer.qk_clip", "--optimizer.qk_clip_threshold", "0"],
+     ["optimizer.qk_clip_threshold must be > 0"]),
+    (["--optimizer.qk_clip_threshold", "-5"], ["optimizer.qk_clip_threshold must be > 0"]),
+    (["--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"], ["state_dtype = 'bfloat16' is for AdamW and muon"]),
+    (["--optimizer.qk_clip", "--parallelism.tp", "2"], ["qk_clip does not support tensor parallelism"]),
+])
+def test_bad_optimizer_input_is_one_line(capsys, tmp_path, argv, words):
+    from trainer.config.check import main
+
+    assert main(["--world-size", "2", "--job.dump_folder", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err
+
+
+def test_muon_options_with_adamw_warn():
+    from trainer.config import load_config
+
+    warnings = load_config(["--optimizer.muon_momentum", "0.9", "--optimizer.qk_clip_every", "4"]).warnings()
+    assert warnings == [
+        "optimizer.muon_momentum = 0.9 is ignored: optimizer.name is AdamW.",
+        "optimizer.qk_clip_every = 4 is ignored: optimizer.qk_clip is false.",
+    ]
+    assert load_config(["--optimizer.name", "muon", "--optimizer.muon_momentum", "0.9"]).warnings() == []

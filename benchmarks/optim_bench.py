@@ -1,0 +1,85 @@
+"""Optimizer step time and state bytes per parameter: AdamW (fp32 / bf16 states) vs Muon, one process.
+
+Each setting builds the flavor's model (seeded init, `--model-override` applied) and its
+`trainer.optim.build_optimizer`, gives every parameter the same random gradient, and times
+`optimizer.step()` alone: `--warmup` untimed steps (they create the state), then the median of
+`--steps` timed ones. State bytes per parameter count every optimizer-state tensor (Muon's
+momentum, AdamW's moments and step counters) over the model's parameter count. Settings run one
+after another in one process; on a shared machine compare ratios taken in the same run.
+
+    python benchmarks/optim_bench.py                                   # debugmodel
+    python benchmarks/optim_bench.py --model-override dim=512 --model-override moe_inter_dim=512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.model_overrides import apply_overrides  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor  # noqa: E402
+from trainer.config import JobConfig  # noqa: E402
+from trainer.optim import build_optimizer  # noqa: E402
+
+SETTINGS = (("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"), ("muon", "bfloat16"))
+
+
+def measure(args, name: str, state_dtype: str, a) -> dict:
+    torch.manual_seed(a.seed)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    cfg = JobConfig().optimizer
+    cfg.name, cfg.state_dtype, cfg.muon_ns_dtype = name, state_dtype, a.ns_dtype
+    optimizer = build_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(a.seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    times = []
+    for i in range(a.warmup + a.steps):
+        start = time.perf_counter()
+        optimizer.step()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - start)
+    n_params = sum(p.numel() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return {"optimizer": name, "state_dtype": state_dtype, "step_ms": 1e3 * statistics.median(times),
+            "state_bytes_per_param": state / n_params, "params": n_params}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ns-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="optimizer.muon_ns_dtype (auto: float32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    a = p.parse_args(argv)
+    args = apply_overrides(get_flavor(a.flavor), a.model_override)
+    rows = [measure(args, name, dtype, a) for name, dtype in SETTINGS]
+    base = rows[0]["step_ms"]
+    print(f"| optimizer | state dtype | step ms (median of {a.steps}) | vs AdamW fp32 | state bytes / param |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['optimizer']} | {r['state_dtype']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x "
+              f"| {r['state_bytes_per_param']:.2f} |")
+    print(f"({rows[0]['params'] / 1e6:.2f}M parameters, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
