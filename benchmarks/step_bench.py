@@ -75,6 +75,7 @@ VARIANTS = {
     "adamw_bf16": ["--optimizer.state_dtype", "bfloat16"],
     "muon": ["--optimizer.name", "muon"],
     "muon_bf16": ["--optimizer.name", "muon", "--optimizer.state_dtype", "bfloat16"],
+    "muon_qk_clip": ["--optimizer.name", "muon", "--optimizer.qk_clip"],
 }
 
 
