@@ -76,9 +76,9 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
     kwargs = dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps)
     if ours:
         optimizer = MuonAdamW(
-            groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum, nesterov=opt_cfg.muon_nesterov,
-            ns_steps=opt_cfg.muon_ns_steps, state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
-            ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
+            groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum,
+            nesterov=opt_cfg.muon_nesterov, ns_steps=opt_cfg.muon_ns_steps,
+            state_dtype=STATE_DTYPES[opt_cfg.state_dtype], ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))

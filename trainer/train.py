@@ -190,7 +190,9 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.bias_updater = ExpertBiasUpdater(model, self.parallel.global_sum)
         o = cfg.optimizer
-        self.qk_clip = QKClip(model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
+        self.qk_clip = (
+            QKClip(model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
+        )
 
         dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.

@@ -82,7 +82,10 @@ _GATES = (
     ),
     ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
     ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
-    ("optimizer.name", lambda c: c.optimizer.name != "muon", ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype")),
+    (
+        "optimizer.name", lambda c: c.optimizer.name != "muon",
+        ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype"),
+    ),
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
 )
 
