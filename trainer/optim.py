@@ -78,7 +78,8 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
         optimizer = MuonAdamW(
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum,
             nesterov=opt_cfg.muon_nesterov, ns_steps=opt_cfg.muon_ns_steps,
-            state_dtype=STATE_DTYPES[opt_cfg.state_dtype], ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
+            state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
+            ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))
