@@ -4,7 +4,9 @@ Each setting builds the flavor's model (seeded init, `--model-override` applied)
 `trainer.optim.build_optimizer`, gives every parameter the same random gradient, and times
 `optimizer.step()` alone: `--warmup` untimed steps (they create the state), then the median of
 `--steps` timed ones. State bytes per parameter count every optimizer-state tensor (Muon's
-momentum, AdamW's moments and step counters) over the model's parameter count. Settings run one
+momentum, AdamW's moments and step counters) over the model's parameter count. The step's
+transient peak is what one more step allocates on top (temporaries: Muon's gathered matrices and
+Newton-Schulz buffers, fp32 copies of bf16 states), from `torch.profiler`'s memory events. Settings run one
 after another in one process; on a shared machine compare ratios taken in the same run.
 
     python benchmarks/optim_bench.py                                   # debugmodel
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +34,18 @@ from trainer.config import JobConfig  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
 
 SETTINGS = (("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"), ("muon", "bfloat16"))
+
+
+def transient_peak_bytes(optimizer: torch.optim.Optimizer) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        optimizer.step()
+    fd, trace = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(trace)
+    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
 
 
 def measure(args, name: str, state_dtype: str, a) -> dict:
@@ -52,7 +68,8 @@ def measure(args, name: str, state_dtype: str, a) -> dict:
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor))
     return {"optimizer": name, "state_dtype": state_dtype, "step_ms": 1e3 * statistics.median(times),
-            "state_bytes_per_param": state / n_params, "params": n_params}
+            "state_bytes_per_param": state / n_params, "params": n_params,
+            "step_peak_mib": transient_peak_bytes(optimizer) / 2**20, "state_mib": state / 2**20}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -69,11 +86,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = apply_overrides(get_flavor(a.flavor), a.model_override)
     rows = [measure(args, name, dtype, a) for name, dtype in SETTINGS]
     base = rows[0]["step_ms"]
-    print(f"| optimizer | state dtype | step ms (median of {a.steps}) | vs AdamW fp32 | state bytes / param |")
-    print("|---|---|---|---|---|")
+    print(f"| optimizer | state dtype | step ms (median of {a.steps}) | vs AdamW fp32 | state bytes / param "
+          "| state MiB | step transient peak MiB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['optimizer']} | {r['state_dtype']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x "
-              f"| {r['state_bytes_per_param']:.2f} |")
+              f"| {r['state_bytes_per_param']:.2f} | {r['state_mib']:.1f} | {r['step_peak_mib']:.1f} |")
     print(f"({rows[0]['params'] / 1e6:.2f}M parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)")
     if a.json:
