@@ -140,10 +140,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
