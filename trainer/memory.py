@@ -6,7 +6,8 @@ tensor parallelism splits attention heads, dense / shared-expert FFNs, embedding
 and FSDP-sharded over (dp_shard x cp) / ep, and replicated over tp (docs/parallelism.md). fp32
 master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two moments (8 bytes per parameter
 in fp32, 4 with `optimizer.state_dtype = "bfloat16"`); under `optimizer.name = "muon"` the block
-matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two moments. Activations are estimates of the tensors autograd saves per token and layer
+matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two moments.
+Activations are estimates of the tensors autograd saves per token and layer
 (listed in `_layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
 `ac="full"` keeps each block's input plus one block's activations during recompute.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated

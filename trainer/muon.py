@@ -3,9 +3,9 @@
 Muon (Keller Jordan; Moonlight, "Muon is Scalable for LLM Training") replaces a matrix's update by
 the orthogonalised Nesterov momentum: `B <- mu B + (1 - mu) G`, `U = NS((1 - mu) G + mu B)` (five
 quintic Newton-Schulz iterations in bf16, torch's `torch.optim.Muon` kernel; fp32 on CPUs, see
-`newton_schulz`), then decoupled
-weight decay `W <- W (1 - lr wd)` and `W <- W - lr 0.2 sqrt(max(A, B)) U`. The factor matches the
-update's RMS to AdamW's (Moonlight), so AdamW's LR schedule and weight decay carry over.
+`newton_schulz`), then decoupled weight decay `W <- W (1 - lr wd)` and
+`W <- W - lr 0.2 sqrt(max(A, B)) U`. The factor matches the update's RMS to AdamW's (Moonlight),
+so AdamW's LR schedule and weight decay carry over.
 Which parameters are matrices is `muon_params`' rule (docs/optimizers.md).
 
 `torch.optim.Muon` itself takes only plain 2-D parameters and runs Newton-Schulz on whatever tensor

@@ -25,7 +25,9 @@ MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", "5", "--optimizer.qk_clip_threshold", "0.17"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
 TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
-TEN = [*COMMON, *MUON, *CKPT, "--training.steps", "10"]
+# Constant LR after a 2-step warmup: the LR of a step does not depend on training.steps.
+SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+TEN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", "10"]
 
 
 def _resumed(tmp: Path, name: str, source: Path, nproc: int, args: list[str]) -> dict[int, dict]:
@@ -35,11 +37,16 @@ def _resumed(tmp: Path, name: str, source: Path, nproc: int, args: list[str]) ->
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("muon")
-    single = _run(tmp / "single", SINGLE[0], [*TEN, *CLIP, *SINGLE[1]])
-    fsdp = _run(tmp / "fsdp_2", 2, [*TEN, *CLIP, *LAYOUTS["fsdp_2"][1]])
-    out = {"single": single, "fsdp_2": fsdp}
+def single(tmp_path_factory):
+    """One process, 10 steps, checkpoints at steps 5 and 10: (metrics by step, run folder)."""
+    run_dir = tmp_path_factory.mktemp("muon") / "single"
+    return _run(run_dir, SINGLE[0], [*TEN, *CLIP, *SINGLE[1]]), run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(single):
+    tmp = single[1].parent
+    out = {"single": single[0], "fsdp_2": _run(tmp / "fsdp_2", 2, [*TEN, *CLIP, *LAYOUTS["fsdp_2"][1]])}
     for name, source, clip in (("fsdp_4_ep_2", "fsdp_2", CLIP), ("hsdp_2x2", "single", CLIP), ("tp_2", "single", [])):
         nproc, flags = TP_2 if name == "tp_2" else LAYOUTS[name]
         out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / "step-5", nproc, [*TEN, *clip, *flags])
@@ -66,11 +73,12 @@ def test_layouts_and_resumes_match_one_process(runs):
         assert "resumed from" in log and "starts afresh" not in log
 
 
-def test_switching_optimizer_on_resume(runs, tmp_path):
-    """AdamW over a Muon checkpoint: one line, exit 2; with checkpoint.reset_optimizer it runs."""
+def test_switching_optimizer_on_resume(single, tmp_path):
+    """AdamW over a Muon checkpoint: one line, exit 2; with checkpoint.reset_optimizer it goes on at
+    the schedule's LR for step 11."""
     run_dir = tmp_path / "switch"
-    shutil.copytree(runs["root"] / "single" / "checkpoint" / "step-10", run_dir / "checkpoint" / "step-10")
-    args = [*COMMON, *CKPT, "--no-validation.enable", *SINGLE[1], "--training.steps", "11"]
+    shutil.copytree(single[1] / "checkpoint" / "step-10", run_dir / "checkpoint" / "step-10")
+    args = [*COMMON, *CKPT, *SCHEDULE, "--no-validation.enable", *SINGLE[1], "--training.steps", "11"]
     cmd = ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args]
     env = {"NGPU": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
@@ -79,4 +87,5 @@ def test_switching_optimizer_on_resume(runs, tmp_path):
     assert "muon/float32" in line and "AdamW/float32" in line and "--checkpoint.reset_optimizer" in line
     resumed = _run(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [11]  # weights and step from the checkpoint
+    assert resumed[11]["lr"] == pytest.approx(single[0][10]["lr"])  # warmup over: the schedule's peak LR
     assert "starts afresh" in (run_dir / "train.log").read_text()

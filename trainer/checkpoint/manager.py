@@ -318,7 +318,9 @@ class CheckpointManager:
         check_model_fits(info.path, state["model"], shapes)
         reset_optimizer = self._optimizer_switched(info.path)
         if reset_optimizer:
+            # Another optimizer has other param groups: of the schedule only its position carries over.
             del state["optimizer"]
+            state["lr_scheduler"] = {k: state["lr_scheduler"][k] for k in ("last_epoch", "_step_count")}
         rank_key = self._rank_key()
         own = state.pop(rank_key)
         saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := RANK_STATE.match(k))})
@@ -341,7 +343,12 @@ class CheckpointManager:
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.lr_scheduler.load_state_dict({**self.lr_scheduler.state_dict(), **state["lr_scheduler"]})
+        if reset_optimizer:  # the fresh groups' LRs at the resumed step, as LambdaLR.step() sets them
+            for group, base, factor in zip(
+                self.optimizer.param_groups, self.lr_scheduler.base_lrs, self.lr_scheduler.lr_lambdas
+            ):
+                group["lr"] = base * factor(self.lr_scheduler.last_epoch)
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
         train_state = state["train_state"]
         self._last_saved_step = int(train_state["step"])
