@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_layout_parity import COMMON, LAYOUTS, REL, SINGLE, _run
+from test_layout_parity import COMMON, LAYOUTS, SINGLE, _assert_close, _run
 
 from trainer.parallel.distributed import free_port
 
@@ -52,10 +52,6 @@ def runs(single):
         out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / "step-5", nproc, [*TEN, *clip, *flags])
     out["root"] = tmp
     return out
-
-
-def _assert_close(what: str, got: float, want: float) -> None:
-    assert abs(got - want) <= REL * abs(want), f"{what}: {got} vs {want}"
 
 
 def test_layouts_and_resumes_match_one_process(runs):
