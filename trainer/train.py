@@ -30,7 +30,6 @@ from models.engram import EngramArgs, NgramHasher, build_token_compression, engr
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.memory import check_fits
-from trainer.config.check import check_run_folder
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.loss import count_valid, cross_entropy_sum
@@ -48,11 +47,13 @@ from trainer.parallel import (
     ParallelDims,
     destroy_distributed,
     exit_process,
+    from_rank0,
     init_distributed,
     is_rank0,
     local_rank_from_env,
     parallelize_model,
 )
+from trainer.run_folder import open_run_folder
 from trainer.runtime import (
     git_revision,
     keep_freed_host_memory,
@@ -123,15 +124,17 @@ class Trainer:
         flavor = resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
 
-        check_run_folder(cfg)
-        self.run_dir = Path(cfg.job.dump_folder)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        _setup_logging(self.run_dir / "train.log")
-
         self.device = select_device(t.device, local_rank_from_env())
         init_distributed(self.device)
+        resumable = cfg.checkpoint.enable
+        self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
+        _setup_logging(self.run_dir / "train.log")
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
+        logger.info(
+            "run folder %s (%s)", self.run_dir.resolve(),
+            "resumable: every rerun continues it" if resumable else "a fresh run: a new folder under job.dump_folder",
+        )
         for warning in cfg.warnings() if is_rank0() else ():
             logger.warning("config warning: %s", warning)
         if self.device.type == "cpu" and t.cpu_keep_freed_memory:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.config.check import check_run_folder, main
+from trainer.config.check import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,17 +86,6 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
     # Switched off on purpose: its settings stay quiet.
     assert load_config(["--no-validation.enable", "--validation.steps", "3"]).warnings() == []
     assert load_config(["--engram.enable", "--engram.max_ngram", "4"]).warnings() == []
-
-
-def test_run_folder_with_an_earlier_run_is_refused(tmp_path):
-    cfg = load_config(["--job.dump_folder", str(tmp_path)])
-    check_run_folder(cfg)  # empty folder: fine
-    (tmp_path / "train.log").write_text("a run that failed before it started\n")
-    check_run_folder(cfg)
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\).*--checkpoint.enable"):
-        check_run_folder(cfg)
-    check_run_folder(load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
 
 
 @pytest.mark.parametrize(

@@ -1,46 +1,28 @@
 """The pre-launch check: `python -m trainer.config.check --world-size N [options as for trainer.train]`.
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
-whose degrees do not fit NNODES x NGPU, a sequence the TP/CP splits do not divide, a run folder
-that already holds a run) fails in a second with one `config error: ...` line and exit code 2,
+whose degrees do not fit NNODES x NGPU, a sequence the TP/CP splits do not divide, a dump folder
+that cannot be created) fails in a second with one `config error: ...` line and exit code 2,
 instead of in every rank's traceback. The workers run the same checks again (`Layout.from_job`,
-`check_run_folder`). Torch-free.
+`trainer.run_folder.open_run_folder`). Torch-free.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
+from trainer.run_folder import check_dump_folder
 
 USAGE = "usage: python -m trainer.config.check --world-size N [--section.key VALUE ...]"
-
-
-def check_run_folder(cfg) -> None:
-    """Refuse to start a fresh run in a folder that holds an earlier one: its train.log and
-    metrics would be appended to. With checkpoint.enable the folder is resumed instead.
-
-    Only files written after every rank has passed this check count (config.toml and the metrics
-    file are written by rank 0 once the model is built), so ranks of one job never refuse each other.
-    """
-    if cfg.checkpoint.enable:
-        return
-    run = Path(cfg.job.dump_folder).expanduser()
-    earlier = [name for name in ("config.toml", cfg.metrics.jsonl_file) if (run / name).exists()]
-    if earlier:
-        raise ConfigError(
-            f"job.dump_folder {run} already holds a run ({', '.join(earlier)}); a new run would append to its "
-            "logs. Pass another --job.dump_folder, delete the folder, or add --checkpoint.enable to resume that run."
-        )
 
 
 def check_job(argv: list[str], world_size: int) -> None:
     cfg = load_config(argv)
     Layout.from_job(cfg, world_size)
-    check_run_folder(cfg)
+    check_dump_folder(cfg.job.dump_folder)
 
 
 def _split_world_size(argv: list[str]) -> tuple[int, list[str]]:
