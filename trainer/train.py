@@ -227,6 +227,21 @@ class Trainer:
         if resumed is not None:
             self.step = int(resumed["step"])
             self.nonfinite.load_state_dict(resumed)
+            self._note_data_shape_changes(resumed)
+
+    def _data_shape(self) -> dict[str, int]:
+        """Saved with every checkpoint: a resume may change them, but should say so."""
+        return {"seq_len": self.cfg.training.seq_len, "global_batch_size": self.train_loader.global_batch_size}
+
+    def _note_data_shape_changes(self, saved: dict) -> None:
+        changed = [
+            f"training.{k} {int(saved[k])} -> {v}" for k, v in self._data_shape().items() if int(saved.get(k, v)) != v
+        ]
+        if changed:
+            logger.warning(
+                "note: resumed with %s; the data continues from the saved position, cut to the new shape (the "
+                "loss curve is not the one the saved settings would have given)", ", ".join(changed),
+            )
 
     def _build_validator(self) -> Validator:
         v, t = self.cfg.validation, self.cfg.training
@@ -411,7 +426,7 @@ class Trainer:
                 window_steps += 1
                 stop_reason = stop.reason()
                 self.checkpointer.maybe_save(
-                    self.step, {"step": self.step, **self.nonfinite.state_dict()},
+                    self.step, {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()},
                     last=self.step == t.steps, force=stop_reason is not None,
                 )
                 is_log = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps or self.step == 1
