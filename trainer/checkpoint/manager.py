@@ -97,7 +97,7 @@ class CheckpointManager:
 
     Args:
         cfg: the `[checkpoint]` section.
-        run_dir: the run folder (`[job] dump_folder`); checkpoints go to `run_dir / cfg.folder`.
+        run_dir: the run folder (`[job] dump_folder` itself when resumable); checkpoints go to `run_dir / cfg.folder`.
         dataloader: anything with `state_dict()` / `load_state_dict()`.
         storage_writer_factory: makes the DCP storage writer for a folder; tests pass one that
             dies half-way through a save.
