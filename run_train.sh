@@ -61,7 +61,6 @@ RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
 check_integer RDZV_TIMEOUT "$RDZV_TIMEOUT" 1 86400 "seconds the nodes may take to meet must be a positive integer"
 LOG_RANK="${LOG_RANK:-0}"
 IFS=, read -r -a log_ranks <<<"$LOG_RANK"
-(( ${#log_ranks[@]} )) || config_error "LOG_RANK is empty: name the local ranks to show, e.g. LOG_RANK=0 or LOG_RANK=0,1"
 for rank in "${log_ranks[@]}"; do
   if [[ ! "$rank" =~ ^[0-9]+$ ]] || (( 10#$rank >= NGPU )); then
     config_error "LOG_RANK=$LOG_RANK: the shown ranks must be local ranks, 0..$((NGPU - 1)) with NGPU=$NGPU, comma-separated, e.g. LOG_RANK=0"
