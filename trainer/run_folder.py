@@ -24,8 +24,7 @@ _T = TypeVar("_T")
 _RUN_NAME = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")
 
 
-def _fix() -> str:
-    return "pass --job.dump_folder a folder you can write to"
+_FIX = "pass --job.dump_folder a folder you can write to"
 
 
 def check_dump_folder(dump_folder: str | os.PathLike) -> None:
@@ -36,9 +35,9 @@ def check_dump_folder(dump_folder: str | os.PathLike) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be created: {existing} is a file; {_fix()}")
+        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be created: {existing} is a file; {_FIX}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be written: {existing} is read-only; {_fix()}")
+        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be written: {existing} is read-only; {_FIX}")
 
 
 def _make_folder(path: Path, dump_folder: str, *, exist_ok: bool) -> None:
@@ -47,9 +46,9 @@ def _make_folder(path: Path, dump_folder: str, *, exist_ok: bool) -> None:
     except FileExistsError:
         if not exist_ok and path.is_dir():
             raise
-        raise ConfigError(f"job.dump_folder = {dump_folder!r} cannot be created: {path} is a file; {_fix()}") from None
+        raise ConfigError(f"job.dump_folder = {dump_folder!r} cannot be created: {path} is a file; {_FIX}") from None
     except OSError as e:
-        raise ConfigError(f"job.dump_folder = {dump_folder!r} cannot be created ({e.strerror or e}); {_fix()}") from None
+        raise ConfigError(f"job.dump_folder = {dump_folder!r} cannot be created ({e.strerror or e}); {_FIX}") from None
 
 
 def _create_fresh(dump_folder: str) -> Path:
@@ -62,7 +61,7 @@ def _create_fresh(dump_folder: str) -> Path:
         except FileExistsError:
             continue
         return path
-    raise ConfigError(f"job.dump_folder = {dump_folder!r}: 999 runs started in the second {stamp}; {_fix()}")
+    raise ConfigError(f"job.dump_folder = {dump_folder!r}: 999 runs started in the second {stamp}; {_FIX}")
 
 
 def open_run_folder(
