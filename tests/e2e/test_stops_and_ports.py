@@ -7,7 +7,8 @@ group (Ctrl-C) and SIGTERM to torchrun alone. Every stop exits 0 with the checkp
 stopped at complete before the script returns and no traceback, and the losses of all the steps
 trained, across three resumes, equal bit for bit those of the same run uninterrupted. That
 uninterrupted run is started while another process holds the default port 29500 (one node picks a
-free port); with MASTER_PORT set to a taken port the script refuses at once, naming it.
+free port); with MASTER_PORT set to a taken port the script refuses at once, naming it, and a
+2-node rendezvous whose second node never comes ends after RDZV_TIMEOUT in one line.
 """
 
 import errno
@@ -139,3 +140,16 @@ def test_a_taken_master_port_is_refused_at_once_naming_it(tmp_path):
     lines = out.strip().splitlines()
     assert len(lines) == 1 and f"MASTER_PORT={port} is in use" in lines[0] and "unset MASTER_PORT" in lines[0], out
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rendezvous_that_never_completes_ends_in_one_line(tmp_path):
+    # Node 0 of 2 alone: after RDZV_TIMEOUT seconds, one line naming the address and the fix.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = launch(tmp_path / "run", NNODES="2", NGPU="1", MASTER_PORT=str(port), RDZV_TIMEOUT="3")
+    out = finish(proc, timeout=120)
+    assert proc.returncode == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and f"MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} failed" in lines[0], out
+    assert "RDZV_TIMEOUT = 3 s" in lines[0] and "NNODES = 2" in lines[0], out
