@@ -68,9 +68,8 @@ def test_two_processes_sharded_and_replicated_match_one_process(tmp_path):
     on the CPU, a checkpoint saved) and whole on each (degree 1): 10 steps equal one process
     that splits the global batch the same way (2 micro-batches of 2), loss and gradient norm
     within 1e-5 (observed: bit for bit). One process taking the whole batch at once drifts
-    further: the Engram gate amplifies fp32 rounding (docs/engram.md,
-    "Parity with one process"). (Resuming at
-    other degrees with the same losses: tests/distributed/test_engram_checkpoint.py.)"""
+    further: the Engram gate amplifies fp32 rounding (docs/engram.md, "Parity with one
+    process"). Resuming at other degrees: tests/distributed/test_engram_checkpoint.py."""
     sharded_out, sharded = _run(
         tmp_path / "sharded", 2, "--engram.embedding_parallel_degree", "2", "--engram.offload_optimizer_state",
         "--checkpoint.enable", "--checkpoint.interval", "10",
