@@ -58,7 +58,7 @@ def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[int, dict] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
+    for line in (latest_run_folder(run) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records.setdefault(record["step"], {}).update(record)
     return proc.stdout, records
