@@ -180,6 +180,7 @@ def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
     (["--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"],
      ["state_dtype = 'bfloat16' is for AdamW and muon"]),
     (["--optimizer.qk_clip", "--parallelism.tp", "2"], ["qk_clip does not support tensor parallelism"]),
+    (["--optimizer.qk_clip", "--training.compile"], ["qk_clip is not supported with training.compile"]),
 ])
 def test_bad_optimizer_input_is_one_line(capsys, tmp_path, argv, words):
     from trainer.config.check import main
