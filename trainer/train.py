@@ -488,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         # Bad paths, files or data options found while building the run: one line, no traceback.
         destroy_distributed()
         return report_user_error("error: " + " ".join(str(e).split()))
+    return run(trainer)
+
+
+def run(trainer: Trainer) -> int:
+    """Trains a built Trainer and closes it; returns the process exit code (0 done or stopped,
+    2 a setting only the run could find wrong, 3 diverged, 130 interrupted)."""
     try:
         trainer.train()
     except ConfigError as e:
