@@ -373,6 +373,10 @@ class Trainer:
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.train_iter = iter(self.train_loader)
+        if t.compile:
+            # Compilation is lazy: the first step (and the first validation) trace and compile
+            # every block, minutes of silence on a CPU without this line.
+            logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0:
             self.metrics.log({"step": 0, "val_loss": self.validate()})
         stop = StopRequest(t.time_limit_minutes).install()
@@ -421,6 +425,7 @@ class Trainer:
                         peak_flops=self.peak_flops,
                     )
                 )
+                record["step_time_s"] = window_time / window_steps
                 record["memory_gib"] = peak_memory_gib(self.device)
                 record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
                 record.update(self.breakdown.window_record())
