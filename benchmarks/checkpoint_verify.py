@@ -96,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"| {mib:.0f} MiB, median of {a.repeats} | seconds | MiB/s |")
     print("|---|---|---|")
-    rows = [("DCP save", "save_s"), ("DCP save + SHA-256 of each file", "save_with_hash_s"),
-            ("verify, files in the page cache", "verify_warm_s"), ("DCP load, files in the page cache", "load_warm_s"),
-            ("verify, files read from the disk", "verify_cold_s"), ("DCP load, files read from the disk", "load_cold_s")]
+    rows = [
+        ("DCP save", "save_s"), ("DCP save + SHA-256 of each file", "save_with_hash_s"),
+        ("verify, files in the page cache", "verify_warm_s"), ("DCP load, files in the page cache", "load_warm_s"),
+        ("verify, files read from the disk", "verify_cold_s"), ("DCP load, files read from the disk", "load_cold_s"),
+    ]
     for label, key in rows:
         print(f"| {label} | {med[key]:.3f} | {mib / med[key]:,.0f} |")
     return 0

@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from trainer.config import ConfigError, load_config
 from trainer.metrics import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +40,16 @@ def test_console_line_has_step_time_and_eta(tmp_path):
         assert json.loads((tmp_path / "metrics.jsonl").read_text())["step_time_s"] == 0.5
     finally:
         metrics.close()
+
+
+def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a)
+    )
+    assert not load_config([]).metrics.enable_tensorboard  # off by default: no package needed
+    with pytest.raises(ConfigError, match=r"metrics.enable_tensorboard needs the tensorboard package: pip install"):
+        load_config(["--metrics.enable_tensorboard"])
 
 
 def write_run(folder: Path, records: list[dict]) -> Path:
@@ -77,5 +90,6 @@ def test_plot_names_a_folder_without_metrics(tmp_path, capsys):
     write_run(tmp_path / "dump" / "20261125-120000", [{"step": 1, "loss": 1.0}])
     assert plot_metrics.main([str(tmp_path / "dump"), "-o", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path / 'dump'} has no metrics.jsonl" in err and "e.g. " + str(tmp_path / "dump" / "20261125-120000") in err
+    assert f"{tmp_path / 'dump'} has no metrics.jsonl" in err
+    assert f"e.g. {tmp_path / 'dump' / '20261125-120000'}" in err
     assert not (tmp_path / "x.png").exists()
