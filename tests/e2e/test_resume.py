@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tests.unit.test_checkpoint import flip_bytes
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.train import Trainer, main, run
@@ -148,13 +149,6 @@ def test_repeated_nan_stops_without_checkpoint(tmp_path):
     assert rc == 3
     assert [c.step for c in list_checkpoints(run_dir / "checkpoint")] == [1]
     assert "1 consecutive steps with a non-finite loss" in (run_dir / "train.log").read_text()
-
-
-def flip_bytes(path: Path, count: int = 4096) -> None:
-    data = bytearray(path.read_bytes())
-    middle = (len(data) - count) // 2
-    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
-    path.write_bytes(bytes(data))
 
 
 def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path):
