@@ -7,7 +7,9 @@ saves), then times the load-side check (`checksum_problems`: size and SHA-256 of
 against the record the trainer puts into the `COMPLETE` marker) next to `dcp.load` of the same
 folder. Loads are timed twice: with the files in the page cache (a resume right after the save)
 and after dropping them from it with `posix_fadvise(DONTNEED)` (a resume on a fresh node reads
-from the disk; on Linux this needs no privileges). Median of `--repeats` rounds.
+from the disk; on Linux this needs no privileges). Median of `--repeats` rounds, in wall-clock
+seconds and in CPU seconds of the process (`time.process_time`), which another process on the
+same cores moves much less than the wall clock.
 
 In a multi-process run each rank hashes only the files it wrote, and the check deals the files
 out over the ranks, so the per-rank cost is this figure for the rank's share of the checkpoint.
@@ -43,13 +45,14 @@ def drop_page_cache(folder: Path) -> None:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of `fn()`."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def one_round(state: dict, root: Path) -> dict[str, float]:
+def one_round(state: dict, root: Path) -> dict[str, tuple[float, float]]:
     plain, checked = root / "plain", root / "checked"
     for path in (plain, checked):
         shutil.rmtree(path, ignore_errors=True)
@@ -84,25 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
     with tempfile.TemporaryDirectory(prefix="ckpt_verify_", dir=a.dir) as tmp:
         rounds = [one_round(state, Path(tmp)) for _ in range(a.repeats)]
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med = {k: statistics.median(r[k][0] for r in rounds) for k in rounds[0]}
+    cpu = {k: statistics.median(r[k][1] for r in rounds) for k in rounds[0]}
     result = {
         "mib": round(mib, 1), "repeats": a.repeats, "torch": torch.__version__,
-        **{k: round(v, 3) for k, v in med.items()},
+        "load_average": round(os.getloadavg()[0], 2),
+        "wall": {k: round(v, 3) for k, v in med.items()},
+        "cpu": {k: round(v, 3) for k, v in cpu.items()},
         "hash_overhead_at_save": round(med["save_with_hash_s"] / med["save_s"] - 1, 3),
         "verify_over_load_warm": round(med["verify_warm_s"] / med["load_warm_s"], 3),
         "verify_over_load_cold": round(med["verify_cold_s"] / med["load_cold_s"], 3),
     }
     print(json.dumps(result))
     print()
-    print(f"| {mib:.0f} MiB, median of {a.repeats} | seconds | MiB/s |")
-    print("|---|---|---|")
+    print(f"| {mib:.0f} MiB, median of {a.repeats} | wall s | MiB/s | CPU s |")
+    print("|---|---|---|---|")
     rows = [
         ("DCP save", "save_s"), ("DCP save + SHA-256 of each file", "save_with_hash_s"),
         ("verify, files in the page cache", "verify_warm_s"), ("DCP load, files in the page cache", "load_warm_s"),
         ("verify, files read from the disk", "verify_cold_s"), ("DCP load, files read from the disk", "load_cold_s"),
     ]
     for label, key in rows:
-        print(f"| {label} | {med[key]:.3f} | {mib / med[key]:,.0f} |")
+        print(f"| {label} | {med[key]:.3f} | {mib / med[key]:,.0f} | {cpu[key]:.3f} |")
     return 0
 
 
