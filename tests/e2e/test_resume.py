@@ -167,7 +167,7 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path)
     records_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
     assert main([*BASE, *ckpt]) == 0
     log = (run_dir / "train.log").read_text()
-    assert (f"checkpoint step-{STEPS} is corrupt or partial ({shard.name} differs from the SHA-256 recorded "
+    assert (f"checkpoint step-{STEPS} is corrupt or partial ({shard} differs from the SHA-256 recorded "
             f"when it was saved (damaged)); falling back to step-{STEPS // 2}") in log
     assert f"resumed from {folder / f'step-{STEPS // 2}'}" in log
     rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[records_before:]]

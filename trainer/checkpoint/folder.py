@@ -187,7 +187,7 @@ def verify_or_refuse(path: Path) -> None:
     try:
         verify_checkpoint(path)
     except UnreadableCheckpoint as e:
-        raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+        raise CheckpointError(str(e)) from None
 
 
 def _listing(keys: list[str], limit: int = 8) -> str:

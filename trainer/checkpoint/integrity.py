@@ -70,12 +70,12 @@ def record_checksums(folder: Path) -> dict[str, dict]:
 
 def _problem(path: Path, recorded: dict) -> str | None:
     if not path.is_file():
-        return f"{path.name} is missing"
+        return f"{path} is missing"
     size = path.stat().st_size
     if size != recorded["bytes"]:
-        return f"{path.name} has {size} bytes, {recorded['bytes']} when saved"
+        return f"{path} has {size} bytes, {recorded['bytes']} when saved"
     if sha256_file(path) != recorded["sha256"]:
-        return f"{path.name} differs from the SHA-256 recorded when it was saved (damaged)"
+        return f"{path} differs from the SHA-256 recorded when it was saved (damaged)"
     return None
 
 

@@ -299,7 +299,7 @@ class CheckpointManager:
             try:
                 return self._load_full(CheckpointInfo(path, cfg.load_step, read_marker(path).get("model_only", False)))
             except UnreadableCheckpoint as e:
-                raise CheckpointError(f"checkpoint {path} is damaged or partial: {e}") from None
+                raise CheckpointError(str(e)) from None
         candidates = list_checkpoints(self.folder)
         if not candidates:
             if self.folder.is_dir():
