@@ -12,6 +12,7 @@ import pytest
 from models.engram import find_primes
 from trainer.config import load_config
 from trainer.parallel.distributed import free_port
+from trainer.run_folder import latest_run_folder
 from trainer.train import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,8 @@ def test_debug_engram_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "engram: layers [1, 3]" in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = latest_run_folder(tmp_path / "run") / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert val[30] <= 0.85 * val[0], val
     last = records[-1]
@@ -56,7 +58,7 @@ def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[int, dict] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
+    for line in (latest_run_folder(run) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records.setdefault(record["step"], {}).update(record)
     return proc.stdout, records
