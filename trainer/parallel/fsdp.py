@@ -29,6 +29,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from models.moe import MoE
+from trainer.parallel.distributed import all_reduce_sum, init_one_process_group, local_tensor
+
 try:  # A mesh per parameter (documented in fully_shard's shard_placement_fn); torch >= 2.13.
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,
@@ -40,9 +43,6 @@ except ImportError:
 
 # Whether routed experts under EP share their block's FSDP unit (else they are a unit of their own).
 EXPERTS_IN_BLOCK_UNIT = ShardPlacementResult is not None
-
-from models.moe import MoE
-from trainer.parallel.distributed import all_reduce_sum, init_one_process_group, local_tensor
 
 RESHARD_POLICIES = ("default", "always", "never")
 
