@@ -123,12 +123,15 @@ class DeepSeekV3Model(nn.Module):
             if args.mtp_depth > 0
             else None
         )
-        # Engram: the table lookup is an object (embedding parallelism swaps in a sharded one);
-        # `engram_hasher` (an `NgramHasher`, set by the trainer) hashes `tokens` when a caller
-        # passes no `engram_ids`, which is only right for full, unsplit sequences.
-        self.engram_layer_ids = tuple(args.engram.layer_ids) if args.engram is not None else ()
+        # Engram: the table lookup is an object (embedding parallelism swaps in a sharded one).
+        # The ids come from the caller, hashed on the full sequences (trainer: ParallelStep).
         self.engram_lookup = LocalEngramLookup()
-        self.engram_hasher = None
+
+    @property
+    def engram_layer_ids(self) -> tuple[int, ...]:
+        """The blocks of this model (or pipeline stage) that hold an Engram layer, ascending;
+        slot i of `engram_ids` is block `engram_layer_ids[i]`."""
+        return tuple(layer.layer_id for layer in self.layers.values() if layer.engram is not None)
 
     def _precompute_freqs_cis(self, device: torch.device | str | None = None) -> torch.Tensor:
         a = self.args
@@ -151,8 +154,8 @@ class DeepSeekV3Model(nn.Module):
         attn_mask: a mask for `MLA` built by the caller (default: from `tokens`). Context
         parallelism passes both for its shard of the sequence (trainer/parallel/context_parallel.py).
         engram_ids: `[B, S, L, H]` Engram table rows hashed from the FULL sequence (`NgramHasher`,
-        before any context split), slot i for block `engram.layer_ids[i]`; None = hash `tokens`
-        with `engram_hasher`.
+        before any context split), slot i for block `engram_layer_ids[i]`; required when the
+        model has Engram layers.
         Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
         """
         seqlen = tokens.shape[1]
@@ -167,10 +170,12 @@ class DeepSeekV3Model(nn.Module):
 
         h = self.embed(tokens)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        engram_rows = self._engram_rows(tokens, engram_ids)
+        engram_rows = self._engram_rows(engram_ids)
+        engram_slot = 0
         for layer in self.layers.values():
             if layer.engram is not None:
-                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[self.engram_layer_ids.index(layer.layer_id)])
+                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[engram_slot])
+                engram_slot += 1
             else:
                 h, layer_aux = layer(h, freqs_cis, attn_mask)
             aux_loss = aux_loss + layer_aux
@@ -185,15 +190,21 @@ class DeepSeekV3Model(nn.Module):
                 mtp_logits.append(self.head(h))
         return ModelOutput(logits, mtp_logits, aux_loss)
 
-    def _engram_rows(self, tokens: torch.Tensor, engram_ids: torch.Tensor | None):
+    def _engram_rows(self, engram_ids: torch.Tensor | None):
         """Per Engram layer `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""
-        if not self.engram_layer_ids:
+        tables = [layer.engram.table for layer in self.layers.values() if layer.engram is not None]
+        if not tables:
             return None
         if engram_ids is None:
-            if self.engram_hasher is None:
-                raise ValueError("this model has Engram layers: pass engram_ids=NgramHasher(...)(tokens)")
-            engram_ids = self.engram_hasher(tokens)
-        tables = [self.layers[str(i)].engram.table for i in self.engram_layer_ids]
+            raise ValueError(
+                f"this model has Engram layers {list(self.engram_layer_ids)}: pass "
+                "engram_ids=NgramHasher(engram_args, compression, layer_ids=model.engram_layer_ids)(tokens)"
+            )
+        if engram_ids.shape[2] != len(tables):
+            raise ValueError(
+                f"engram_ids has {engram_ids.shape[2]} layer slots, this model has {len(tables)} Engram layers "
+                f"{list(self.engram_layer_ids)}"
+            )
         return self.engram_lookup(tables, engram_ids)
 
     @torch.no_grad()
