@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from models.moe import MoE
 from trainer.parallel.distributed import init_one_process_group
