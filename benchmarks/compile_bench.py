@@ -211,8 +211,6 @@ def _ep_rank(rank: int, world: int, port: int, a, queue) -> None:
 
 
 def main_ep(a) -> None:
-    if a.device != "cpu":
-        raise SystemExit("--ep runs gloo processes on CPU; pass --device cpu")
     ranks = dict(spawn_local(_ep_rank, a.ep, a, timeout=3600))
     result = {
         "flavor": a.flavor, "dtype": a.dtype, "device": "cpu", "torch": torch.__version__, "threads": a.threads,
@@ -248,6 +246,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process under --ep")
     a = p.parse_args()
     if a.ep > 1:
+        if a.device != "cpu":
+            p.error("--ep runs gloo processes on CPU; pass --device cpu")
         main_ep(a)
         return
     device = torch.device(a.device)
