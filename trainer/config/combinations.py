@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from trainer.config.fields import _cli_repr, _default
+from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -48,6 +49,13 @@ def combination_problems(cfg: Any) -> list[str]:
             f"validation.dataset = {v.dataset!r} reads local files: set --validation.dataset_path "
             "(a file, a glob or a directory)."
         )
+    p = cfg.parallelism
+    if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        problems.append(
+            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, which "
+            "torch.distributed.pipelining refuses for compiled stages; use --parallelism.pp_schedule Interleaved1F1B "
+            "(or 1F1B) with --training.compile, or drop --training.compile."
+        )
     return problems
 
 
@@ -72,6 +80,10 @@ _GATES = (
     ),
     ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
     ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
+    (
+        "parallelism.pp", lambda c: c.parallelism.pp == 1,
+        ("pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_layout"),
+    ),
 )
 
 
