@@ -62,6 +62,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
     ignored_params: set[nn.Parameter] | None = None,
+    root_runs_forward: bool = True,
 ) -> None:
     """Shards ``model`` in place.
 
@@ -71,6 +72,9 @@ def apply_fsdp(
             are sharded with their block on ``dense_mesh``.
         reshard_after_forward: "default" (all but the root), "always", "never".
         ignored_params: parameters FSDP leaves alone (plain fp32 tensors, never gathered).
+        root_runs_forward: False for a pipeline stage, whose model's own forward never runs (the
+            stage calls its parts): the embedding and the norm + head become units of their own,
+            since only a unit's forward gathers its parameters.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
@@ -94,6 +98,15 @@ def apply_fsdp(
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored_params)
         _set_sum_reduction(block)
         units.append(block)
+    if not root_runs_forward:
+        for part in ([model.embed] if model.embed is not None else []) + (
+            [[model.norm, model.head]] if model.head is not None else []
+        ):
+            fully_shard(
+                part, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False), mp_policy=mp,
+                ignored_params=ignored_params,
+            )
+            _set_sum_reduction(part[0] if isinstance(part, list) else part)
     fully_shard(
         model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp,
         ignored_params=ignored_params,
