@@ -28,10 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    get_schedule_class,
+)
 
 from models.deepseek_v3.model import ModelOutput
-from trainer.config.pipeline_layout import V_SCHEDULES, StageSpec, split_stages
+from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageSpec, split_stages
 from trainer.loss import count_valid, cross_entropy_sum
 from trainer.parallel.distributed import all_reduce_sum, local_tensor
 from trainer.parallel.parallel_dims import ParallelDims
@@ -169,10 +175,13 @@ class PipelineStep(ParallelStep):
             ]
             cls = get_schedule_class(d.pp_schedule)
             single = issubclass(cls, PipelineScheduleSingle)
-            self._schedules[train] = cls(
+            schedule = cls(
                 stages[0] if single else stages, n_microbatches=d.pp_microbatches,
                 loss_fn=self._stage_loss, scale_grads=False,
             )
+            if not train and d.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+                _forward_only(schedule, d.pp_microbatches)
+            self._schedules[train] = schedule
         return self._schedules[train]
 
     def _stage_loss(self, output: tuple, target: torch.Tensor) -> torch.Tensor:
@@ -241,6 +250,26 @@ class PipelineStep(ParallelStep):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
         return norm
+
+
+def _forward_only(schedule, n_microbatches: int) -> None:
+    """Gives a zero-bubble schedule a forward-only order for validation: torch's runtime runs
+    their backward actions even in ``eval()``. Each rank runs its stages in index order, every
+    micro-batch of one before the next (a breadth-first order, so no rank waits on itself),
+    lowered to sends and receives by torch's own pass (private API, as of torch 2.13; its
+    public loader validates that every micro-batch has a backward)."""
+    ranks = schedule.stage_index_to_group_rank
+    order = {
+        rank: [
+            _Action(stage, _ComputationType.FORWARD, mb)
+            for stage in sorted(s for s, r in ranks.items() if r == rank)
+            for mb in range(n_microbatches)
+        ]
+        for rank in set(ranks.values())
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=lambda s: ranks[s], num_stages=len(ranks)
+    )
 
 
 def activation_meta(cfg, dims: ParallelDims, dim: int, param_dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
