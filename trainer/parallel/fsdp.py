@@ -73,8 +73,8 @@ def apply_fsdp(
         reshard_after_forward: "default" (all but the root), "always", "never".
         ignored_params: parameters FSDP leaves alone (plain fp32 tensors, never gathered).
         root_runs_forward: False for a pipeline stage, whose model's own forward never runs (the
-            stage calls its parts): the embedding and the norm + head become units of their own,
-            since only a unit's forward gathers its parameters.
+            stage calls its parts): the embedding, the norm and the head become units of their
+            own, since only a unit's forward gathers its parameters.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
@@ -99,14 +99,15 @@ def apply_fsdp(
         _set_sum_reduction(block)
         units.append(block)
     if not root_runs_forward:
-        for part in ([model.embed] if model.embed is not None else []) + (
-            [[model.norm, model.head]] if model.head is not None else []
-        ):
-            fully_shard(
-                part, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False), mp_policy=mp,
-                ignored_params=ignored_params,
-            )
-            _set_sum_reduction(part[0] if isinstance(part, list) else part)
+        # One unit each: a unit whose forward runs without the root's becomes a root itself,
+        # and FSDP refuses a root of several modules.
+        for part in (model.embed, model.norm, model.head):
+            if part is not None:
+                fully_shard(
+                    part, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False),
+                    mp_policy=mp, ignored_params=ignored_params,
+                )
+                _set_sum_reduction(part)
     fully_shard(
         model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp,
         ignored_params=ignored_params,
