@@ -114,7 +114,9 @@ def apply_fsdp(
     )
     _set_sum_reduction(model)
 
-    if expert_units:
+    if expert_units and root_runs_forward:
+        # (Without the root's forward each unit initialises as a root of its own, and FSDP can
+        # prefetch only units initialised under the same root.)
         # With EP the block's all-to-alls sit between its dense and expert all-gathers: fetch
         # the next block and its experts explicitly so the gathers overlap the exchange
         # (implicit prefetch would only start the next gather after the all-to-all returns).
