@@ -122,6 +122,7 @@ class Trainer:
         # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
         flavor = resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
+        self.parallel_dims.check_stages(flavor.n_layers, flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth)
 
         check_run_folder(cfg)
         self.run_dir = Path(cfg.job.dump_folder)
@@ -217,7 +218,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
         )
         resumed = self.checkpointer.load()
         if resumed is not None:

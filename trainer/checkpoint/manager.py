@@ -98,6 +98,7 @@ class CheckpointManager:
         cfg: the `[checkpoint]` section.
         run_dir: the run folder (`[job] dump_folder`); checkpoints go to `run_dir / cfg.folder`.
         dataloader: anything with `state_dict()` / `load_state_dict()`.
+        pipeline_share: ``model`` holds only this rank's pipeline stages.
         storage_writer_factory: makes the DCP storage writer for a folder; tests pass one that
             dies half-way through a save.
     """
@@ -114,6 +115,7 @@ class CheckpointManager:
         model_args: DeepSeekV3ModelArgs,
         device: torch.device,
         storage_writer_factory: Callable[[Path], Any] | None = None,
+        pipeline_share: bool = False,
     ):
         self.cfg = cfg
         self.folder = Path(run_dir) / cfg.folder
@@ -123,6 +125,7 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.model_args = model_args
         self.device = device
+        self.pipeline_share = pipeline_share
         self.rank = global_rank()
         self.storage_writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(str(path)))
         self._pending: _PendingSave | None = None
@@ -307,7 +310,7 @@ class CheckpointManager:
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
         state = self._full_state(saved_train_state)
-        check_model_fits(info.path, state["model"], shapes)
+        check_model_fits(info.path, state["model"], shapes, whole=not self.pipeline_share)
         rank_key = self._rank_key()
         own = state.pop(rank_key)
         saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := RANK_STATE.match(k))})
@@ -363,7 +366,7 @@ class CheckpointManager:
         if cfg.initial_load_format == "hf":
             load_hf_weights(path, self.model, self.model_args)
         else:
-            path = load_model_weights(path, self.model)
+            path = load_model_weights(path, self.model, whole=not self.pipeline_share)
         logger.info(
             "initial weights loaded from %s (%s) in %.2fs", path, cfg.initial_load_format, time.perf_counter() - start
         )

@@ -18,6 +18,7 @@ from trainer.config.pipeline_layout import (
     default_stages_per_rank,
     pp_layout_problems,
     schedule_problems,
+    split_stages,
 )
 
 # Meshes every multi-process layout builds; the Engram mesh must be named otherwise.
@@ -158,8 +159,8 @@ class Layout:
     # ----------------------------------------------------------------- what must divide what
     def check_batch(self, local_batch_size: int, global_batch_size: int) -> int:
         """The gradient-accumulation steps of one optimizer step (global_batch_size -1 = one
-        micro-batch per data-parallel rank). Under pp those steps' rows are one batch that the
-        schedule cuts into ``pp_microbatches``, so these must divide it."""
+        micro-batch per data-parallel rank). Under pp each accumulation micro-batch is one
+        schedule run that cuts its rows into ``pp_microbatches``, which must divide them."""
         per_step = local_batch_size * self.dp_degree
         accum = 1
         if global_batch_size != -1:
@@ -169,12 +170,12 @@ class Layout:
                     f"data-parallel degree = {local_batch_size} x {self.dp_degree}; pick a multiple of {per_step}"
                 )
             accum = global_batch_size // per_step
-        rows = accum * local_batch_size
+        rows = local_batch_size
         if self.pp_enabled and rows % self.pp_microbatches:
             raise LayoutError(
-                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide the {rows} rows each pipeline reads "
-                f"per step (global_batch_size / data-parallel degree {self.dp_degree}); pick pp_microbatches in "
-                f"{[d for d in _divisors(rows) if d >= self.pp]} or change the batch"
+                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide training.local_batch_size = {rows} "
+                f"(each local batch is one pipeline run); pick pp_microbatches in "
+                f"{[d for d in _divisors(rows) if d >= self.pp] or 'none: raise local_batch_size'}"
             )
         return accum
 
@@ -215,6 +216,12 @@ class Layout:
                 )
         if problems:
             raise LayoutError("; ".join(problems))
+
+    def check_stages(self, n_layers: int, mtp_depth: int) -> None:
+        """The pipeline's stages fit the model's blocks (the model's sizes need torch: the trainer
+        checks this, before any work)."""
+        if self.pp_enabled:
+            split_stages(n_layers, mtp_depth, self.pp_stages, self.pp_layout)
 
     # ----------------------------------------------------------------- degrees
     @property
