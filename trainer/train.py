@@ -46,11 +46,13 @@ from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.parallel import (
     ParallelDims,
+    build_loss_function,
     destroy_distributed,
     exit_process,
     init_distributed,
     is_rank0,
     local_rank_from_env,
+    materialize,
     parallelize_model,
 )
 from trainer.runtime import (
@@ -161,14 +163,16 @@ class Trainer:
 
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
-        model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type)
-        self.parallel.materialize(self.device, t.seed)
-        model.train()
+        hasher = None
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
             tok = self.tokenizer
             compression = build_token_compression(lambda i: tok.decode([i]), tok.vocab_size, tok.pad_id)
-            model.engram_hasher = NgramHasher(self.model_args.engram, compression).to(self.device)
+            hasher = NgramHasher(self.model_args.engram, compression, model.engram_layer_ids).to(self.device)
+        model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type, hasher)
+        materialize(model, self.device, t.seed)
+        model.train()
+        if hasher is not None:
             table_stats = engram_metrics(model)
             logger.info(
                 "engram: layers %s, %d compressed ids (of %d), %d table rows = %.1f MiB on this rank",
@@ -181,7 +185,7 @@ class Trainer:
         # [training] compile: parallelize_model compiled every block before to_empty, which is
         # fine because compilation is lazy (traced at the first step, on the real weights); the
         # loss gets its compiled twin here (docs/compile.md).
-        self.loss_fn = self.parallel.loss_function(t.compile)
+        self.loss_fn = build_loss_function(self.parallel_dims, t.compile)
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.bias_updater = ExpertBiasUpdater(model, self.parallel.global_sum)

@@ -125,12 +125,15 @@ class DeepSeekV3Model(nn.Module):
             if args.mtp_depth > 0
             else None
         )
-        # Engram: the table lookup is an object (embedding parallelism swaps in a sharded one);
-        # `engram_hasher` (an `NgramHasher`, set by the trainer) hashes `tokens` when a caller
-        # passes no `engram_ids`, which is only right for full, unsplit sequences.
-        self.engram_layer_ids = tuple(args.engram.layer_ids) if args.engram is not None else ()
+        # Engram: the table lookup is an object (embedding parallelism swaps in a sharded one).
+        # The ids come from the caller, hashed on the full sequences (trainer: ParallelStep).
         self.engram_lookup = LocalEngramLookup()
-        self.engram_hasher = None
+
+    @property
+    def engram_layer_ids(self) -> tuple[int, ...]:
+        """The blocks of this model (or pipeline stage) that hold an Engram layer, ascending;
+        slot i of `engram_ids` is block `engram_layer_ids[i]`."""
+        return tuple(layer.layer_id for layer in self.layers.values() if layer.engram is not None)
 
     def _precompute_freqs_cis(self, device: torch.device | str | None = None) -> torch.Tensor:
         a = self.args
@@ -153,8 +156,8 @@ class DeepSeekV3Model(nn.Module):
         attn_mask: a mask for `MLA` built by the caller (default: from `tokens`). Context
         parallelism passes both for its shard of the sequence (trainer/parallel/context_parallel.py).
         engram_ids: `[B, S, L, H]` Engram table rows hashed from the FULL sequence (`NgramHasher`,
-        before any context split), slot i for block `engram.layer_ids[i]`; None = hash `tokens`
-        with `engram_hasher`.
+        before any context split), slot i for block `engram_layer_ids[i]`; required when the
+        model has Engram layers.
         Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
         """
         freqs_cis, attn_mask = self.rope_and_mask(tokens, positions, attn_mask)
@@ -185,7 +188,7 @@ class DeepSeekV3Model(nn.Module):
         `engram_ids` slot i belongs to the i-th Engram block of `layers`."""
         layers = list(self.layers.values() if layers is None else layers)
         engram_layers = [layer for layer in layers if layer.engram is not None]
-        engram_rows = self._engram_rows(tokens, engram_ids, engram_layers)
+        engram_rows = self._engram_rows(engram_ids, engram_layers)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for layer in layers:
             if layer.engram is not None:
@@ -210,15 +213,22 @@ class DeepSeekV3Model(nn.Module):
                 mtp_logits.append(self.head(h))
         return logits, mtp_logits, aux_loss
 
-    def _engram_rows(self, tokens: torch.Tensor, engram_ids: torch.Tensor | None, engram_layers: list):
+    def _engram_rows(self, engram_ids: torch.Tensor | None, engram_layers: list):
         """Per Engram block of `engram_layers` `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""
-        if not engram_layers:
+        tables = [layer.engram.table for layer in engram_layers]
+        if not tables:
             return None
+        layer_ids = [layer.layer_id for layer in engram_layers]
         if engram_ids is None:
-            if self.engram_hasher is None:
-                raise ValueError("this model has Engram layers: pass engram_ids=NgramHasher(...)(tokens)")
-            engram_ids = self.engram_hasher(tokens)
-        return self.engram_lookup([layer.engram.table for layer in engram_layers], engram_ids)
+            raise ValueError(
+                f"this model has Engram layers {layer_ids}: pass "
+                "engram_ids=NgramHasher(engram_args, compression, layer_ids=model.engram_layer_ids)(tokens)"
+            )
+        if engram_ids.shape[2] != len(tables):
+            raise ValueError(
+                f"engram_ids has {engram_ids.shape[2]} layer slots, these blocks have {len(tables)} Engram layers {layer_ids}"
+            )
+        return self.engram_lookup(tables, engram_ids)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

@@ -18,6 +18,8 @@ identical primes, multipliers and ids without communicating.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -90,20 +92,26 @@ def shifted_windows(x: torch.Tensor, n: int, pad_id: int) -> list[torch.Tensor]:
 
 
 class NgramHasher(nn.Module):
-    """Raw token ids `[B, S]` -> global table rows `[B, S, L, (N-1)*K]` of every Engram layer.
+    """Raw token ids `[B, S]` -> global table rows `[B, S, L, (N-1)*K]` of Engram layers.
 
-    Slot i of dim 2 is `args.layer_ids[i]`. Buffers are non-persistent (derived data), built on
-    CPU at construction; `.to(device)` moves them.
+    Slot i of dim 2 is `layer_ids[i]`: all of `args.layer_ids` by default, or an ascending subset
+    (the Engram layers of one pipeline stage), hashed exactly as the whole set hashes them.
+    Buffers are non-persistent (derived data), built on CPU at construction; `.to(device)` moves
+    them.
     """
 
-    def __init__(self, args: EngramArgs, compression: TokenCompression):
+    def __init__(self, args: EngramArgs, compression: TokenCompression, layer_ids: tuple[int, ...] | None = None):
         super().__init__()
+        layers = tuple(args.layer_ids if layer_ids is None else layer_ids)
+        if not layers or [i for i in args.layer_ids if i in layers] != list(layers):
+            raise ValueError(f"NgramHasher layer_ids {layers} must be a non-empty ascending subset of {args.layer_ids}")
         self.args = args
+        self.layer_ids = layers
         self.num_compressed = compression.num_compressed
         self.pad_id = compression.pad_id
+        # Primes are drawn over all layers (each layer's depend on the ones before it).
         primes = find_primes(args)
         mults = hash_multipliers(args, compression.num_compressed)
-        layers = args.layer_ids
         heads_per_order = args.heads_per_order
         self.register_buffer("compress", compression.lookup.clone(), persistent=False)
         self.register_buffer("multipliers", torch.stack([mults[l] for l in layers]), persistent=False)  # [L, N]
@@ -120,6 +128,20 @@ class NgramHasher(nn.Module):
             ),
             persistent=False,
         )
+
+    def select(self, layer_ids: tuple[int, ...]) -> "NgramHasher | None":
+        """The hasher of some of these layers (a pipeline stage's), hashing them exactly as this
+        one does; None for no layers."""
+        if not layer_ids:
+            return None
+        if [i for i in self.layer_ids if i in layer_ids] != list(layer_ids):
+            raise ValueError(f"NgramHasher.select: {layer_ids} must be an ascending subset of {self.layer_ids}")
+        slots = [self.layer_ids.index(i) for i in layer_ids]
+        sub = copy.deepcopy(self)
+        sub.layer_ids = tuple(layer_ids)
+        for name in ("multipliers", "primes", "offsets"):
+            setattr(sub, name, getattr(self, name)[slots])
+        return sub
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,8 @@ class CountA2A:
 
 def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
     from trainer.engram_optim import OffloadedAdam
-    from trainer.parallel.engram_parallel import (
-        apply_engram_parallel,
-        shard_rows,
-        table_grad_sq_norm,
-    )
+    from trainer.parallel.engram_parallel import apply_engram_parallel, shard_rows
+    from trainer.parallel.grad_norm import grad_norm
 
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
@@ -126,7 +123,7 @@ def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
             shard_ranges.append((start, n))
         for p, (start, n), m_ref in zip(tables, shard_ranges, engram_modules(ref)):
             torch.testing.assert_close(p.grad, m_ref.table.weight.grad[start : start + n], rtol=1e-5, atol=1e-7)
-        sq = float(table_grad_sq_norm(model, group))
+        sq = float(grad_norm(tables, row_sharded=tables, row_group=group)) ** 2
         assert abs(sq - ref_sq) <= 1e-5 * ref_sq, (sq, ref_sq)
 
         # One optimizer step on the shards equals the unsharded step, also with CPU-held state.
@@ -249,7 +246,6 @@ def run_checkpoint(
     from trainer.config import load_config
     from trainer.lr_schedule import build_lr_scheduler
     from trainer.optim import build_optimizer, optimizer_step
-    from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.parallelize import parallelize_model
 
@@ -266,11 +262,11 @@ def run_checkpoint(
         reference = build_model()
         with torch.device("meta"):
             model = DeepSeekV3Model(reference.args)
-        parallelize_model(model, dims, cfg, "cpu")
+        hasher = build_hasher()
+        _, parallel = parallelize_model(model, dims, cfg, "cpu", hasher)
         model.to_empty(device="cpu")
         model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
         load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights
-        hasher = build_hasher()
         optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
         scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=4)
         checkpointer = CheckpointManager(
@@ -284,8 +280,7 @@ def run_checkpoint(
             out = model(rows, engram_ids=hasher(rows))
             loss = cross_entropy_sum(out.logits, labels) / (4 * S)
             loss.backward()
-            reduce_table_grads(model)
-            clip_grad_norm_with_tables([p for p in model.parameters() if p.grad is not None], 1.0, model)
+            parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
             optimizer_step(optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -116,7 +116,8 @@ def _worker(rank: int, world: int, port: int, layout: str, queue) -> None:
 
     from trainer.parallel.context_parallel import apply_context_parallel
     from trainer.parallel.expert_parallel import apply_expert_parallel
-    from trainer.parallel.fsdp import apply_fsdp, clip_grad_norm_
+    from trainer.parallel.fsdp import apply_fsdp
+    from trainer.parallel.grad_norm import clip_grad_norm_
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.tensor_parallel import apply_tensor_parallel, maybe_loss_parallel, replicate_partial_grads
 

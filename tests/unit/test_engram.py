@@ -127,6 +127,11 @@ def test_hashing_equals_formula():
     k = args.heads_per_order
     assert torch.equal(got[0, 1, :, :k], got[0, 4, :, :k])  # order-2 heads of "1 2"
     assert torch.equal(got[0, 2, :, : 2 * k], got[0, 5, :, : 2 * k])  # "2 3" and "1 2 3"
+    # A pipeline stage's hasher: its layers' slots, hashed as the whole set hashes them.
+    assert torch.equal(NgramHasher(args, comp, layer_ids=(3,))(torch.tensor(tokens)), got[:, :, 1:])
+    for bad in ((3, 0), (1,), ()):
+        with pytest.raises(ValueError, match="ascending subset"):
+            NgramHasher(args, comp, layer_ids=bad)
 
 
 def test_hashing_large_vocab_int64_safe():
@@ -203,9 +208,9 @@ def _model(engram: EngramArgs | None, n_layers=3):
     return model
 
 
-def _hasher(engram, vocab=64):
+def _hasher(engram, vocab=64, layer_ids=None):
     comp = TokenCompression(lookup=torch.arange(vocab) // 2, num_compressed=vocab // 2, pad_id=0)
-    return NgramHasher(engram, comp)
+    return NgramHasher(engram, comp, layer_ids)
 
 
 def test_model_wiring_causal_and_grads():
@@ -216,10 +221,10 @@ def test_model_wiring_causal_and_grads():
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="engram_ids"):
         model(tokens)
+    with pytest.raises(ValueError, match="layer slots"):
+        model(tokens, engram_ids=_hasher(engram, layer_ids=(2,))(tokens))
     ids = hasher(tokens)
     out = model(tokens, engram_ids=ids)
-    model.engram_hasher = hasher
-    torch.testing.assert_close(model(tokens).logits, out.logits)  # fallback hashes the same
     out.logits.float().pow(2).mean().backward()
     for p in engram_table_params(model):
         assert p.grad is not None and p.grad.abs().sum() > 0
@@ -227,10 +232,31 @@ def test_model_wiring_causal_and_grads():
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 3) % 64
     with torch.no_grad():
-        a = model(tokens).logits
-        b = model(changed).logits
+        a = model(tokens, engram_ids=ids).logits
+        b = model(changed, engram_ids=hasher(changed)).logits
     torch.testing.assert_close(a[:, :9], b[:, :9])
     assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_parallel_step_hashes_for_the_engram_layers_it_holds():
+    from trainer.config import load_config
+    from trainer.parallel import ParallelDims, ParallelStep
+
+    engram = _engram_args(layer_ids=(0, 2))
+    model = _model(engram)
+    dims = ParallelDims.from_config(load_config([]).parallelism, 1)
+    for hasher in (None, _hasher(engram, layer_ids=(0,))):
+        with pytest.raises(ValueError, match=r"covers layers .* holds Engram layers \[0, 2\]"):
+            ParallelStep(model, dims, engram_hasher=hasher)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    full_ids = _hasher(engram)(tokens)
+    # A pipeline stage holding blocks 1 and 2 hashes for block 2 only.
+    del model.layers["0"]
+    assert model.engram_layer_ids == (2,)
+    step = ParallelStep(model, dims, engram_hasher=_hasher(engram, layer_ids=(2,)))
+    mb = step.prepare_batch(tokens, tokens)
+    assert torch.equal(mb.model_kwargs["engram_ids"], full_ids[:, :, 1:])
+    assert model(mb.inputs, **mb.model_kwargs).logits.shape == (2, 16, 64)
 
 
 def test_engram_off_is_the_plain_model():

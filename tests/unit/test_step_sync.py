@@ -98,7 +98,6 @@ def test_train_step_has_no_branch_on_the_layout():
 def test_parallel_step_on_one_process_is_the_plain_computation():
     dims = ParallelDims.from_config(load_config([]).parallelism, 1)
     model = torch.nn.Linear(4, 3)
-    model.engram_hasher = None
     step = ParallelStep(model, dims)
     inputs = torch.randint(0, 10, (2, 8))
     labels = inputs.clone()

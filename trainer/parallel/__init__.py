@@ -11,7 +11,7 @@ from trainer.parallel.distributed import (
     local_rank_from_env,
 )
 from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
-from trainer.parallel.parallelize import parallelize_model
+from trainer.parallel.parallelize import build_loss_function, materialize, parallelize_model
 from trainer.parallel.step import MicroBatch, ParallelStep
 
 __all__ = [
@@ -19,10 +19,12 @@ __all__ = [
     "ParallelDims",
     "ParallelDimsError",
     "ParallelStep",
+    "build_loss_function",
     "destroy_distributed",
     "exit_process",
     "init_distributed",
     "is_rank0",
     "local_rank_from_env",
+    "materialize",
     "parallelize_model",
 ]

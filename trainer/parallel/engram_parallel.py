@@ -18,14 +18,14 @@ so on GPU it overlaps the blocks before that layer.
 Gradients: table grads need no reduction within the engram group; ranks holding the *same*
 shard in different engram groups (e.g. engram degree 2 in a world of 4) sum theirs with
 `all_reduce_table_grads` over the replicate group. In the gradient norm each shard counts once:
-`table_grad_sq_norm` sums the local squares over the engram group only.
+`trainer/parallel/grad_norm.py` sums the tables' local squares over the engram group only.
 
 Trainer wiring (`trainer/parallel/parallelize.py`, `Trainer.train_step`): `apply_engram_parallel`
 over the "engram" mesh of `ParallelDims` (degree > 1), or `replicate_engram_tables` (degree 1 in a
 multi-process run: whole tables on every rank, grads summed over the "loss" mesh). Either way the
 tables must not be sharded by FSDP (that would all-gather them every step): FSDP is applied
 inside `tables_hidden_from_fsdp(model)`. In the training step `reduce_table_grads` runs after the
-last backward and `clip_grad_norm_with_tables` clips with each shard counted once.
+last backward, then `ParallelStep.finish_grads` clips with each shard counted once.
 
 Checkpoints: the tables' `state_dict()` entries are `DTensor`s with `Shard(0)` placement over
 the engram mesh, so DCP reshards them to any other degree; their optimizer state (and the
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.engram import EngramLookup, EngramTable, LocalEngramLookup, engram_modules, engram_table_params
-from trainer.parallel.distributed import all_reduce_sum, local_tensor
+from trainer.parallel.distributed import all_reduce_sum
 
 
 def _as_group(mesh_or_group) -> dist.ProcessGroup:
@@ -275,28 +275,6 @@ def reduce_table_grads(model: nn.Module) -> None:
         all_reduce_table_grads(model, lookup.replicate_group)
 
 
-@torch.no_grad()
-def clip_grad_norm_with_tables(params: Sequence[torch.Tensor], max_norm: float, model: nn.Module) -> torch.Tensor:
-    """`trainer.parallel.fsdp.clip_grad_norm_` for a model whose Engram tables may be row-sharded:
-    plain tensors whose placement DTensor cannot show, so their squares are summed over the
-    engram group here (each shard once, replicas not again) and added to the other parameters'
-    global squared norm. Returns the total norm before clipping."""
-    from trainer.parallel.fsdp import clip_grad_norm_, grad_norm
-
-    lookup = sharded_lookup(model)
-    if lookup is None:
-        return clip_grad_norm_(params, max_norm)
-    params = [p for p in params if p.grad is not None]
-    table_ids = {id(p) for p in engram_table_params(model)}
-    tables_sq = table_grad_sq_norm(model, lookup.group) if lookup.group is not None else _table_sq(model)
-    others_sq = grad_norm([p for p in params if id(p) not in table_ids]).to(tables_sq.device).square()
-    norm = (tables_sq + others_sq).sqrt()
-    if math.isfinite(max_norm) and params:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
-    return norm
-
-
 def table_row_ranges(model: nn.Module, clean=lambda name: name) -> dict[str, tuple[int, int]]:
     """Table weight name (after `clean`) -> [start, stop) global rows held here."""
     return {
@@ -350,21 +328,3 @@ def all_reduce_table_grads(model: nn.Module, replicate_group) -> None:
     for p in engram_table_params(model):
         if p.grad is not None:
             all_reduce_sum(p.grad, group)
-
-
-def table_grad_sq_norm(model: nn.Module, engram_group) -> torch.Tensor:
-    """Squared L2 norm of all table grads with each shard counted once (sum over the engram
-    group only); add it to the other parameters' squared norm before clipping."""
-    return all_reduce_sum(_table_sq(model, torch.float64), _as_group(engram_group)).float()
-
-
-def _table_sq(model: nn.Module, cpu_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """This rank's sum of squared table grads; `cpu_dtype` float64 on CPU, whose fp32 sums of
-    large tables lose ~1e-4 (relative); CUDA's tree sums do not."""
-    grads = [p.grad for p in engram_table_params(model) if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    dtype = cpu_dtype if device.type == "cpu" else torch.float32
-    sq = torch.zeros((), dtype=dtype, device=device)
-    for g in grads:
-        sq += g.to(dtype).pow(2).sum()
-    return sq

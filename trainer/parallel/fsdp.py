@@ -1,4 +1,4 @@
-"""FSDP2 / HSDP wrapping and a gradient-norm clip that works across several meshes.
+"""FSDP2 / HSDP wrapping (the gradient norm across meshes is trainer/parallel/grad_norm.py).
 
 Wrapping (``apply_fsdp``): each transformer block (and MTP block) is one FSDP unit; with expert
 parallelism the routed experts of a block are their own unit on the expert mesh ("efsdp", or
@@ -15,18 +15,13 @@ leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DC
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.moe import MoE
-from trainer.parallel.distributed import all_reduce_sum, init_one_process_group, local_tensor
+from trainer.parallel.distributed import init_one_process_group
 
 RESHARD_POLICIES = ("default", "always", "never")
 
@@ -147,66 +142,3 @@ def one_process_mesh(device_type: str):
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     init_one_process_group(device)
     return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
-
-
-def _shard_groups(param: torch.Tensor) -> tuple:
-    """Process groups over which the local values of ``param`` are disjoint pieces."""
-    groups = []
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        for dim, placement in enumerate(param.placements):
-            # FSDP over a TP- or EP-sharded dim uses _StridedShard, which is not a Shard subclass.
-            if isinstance(placement, (Shard, _StridedShard)) and mesh.size(dim) > 1:
-                groups.append(mesh.get_group(dim))
-    return tuple(groups)
-
-
-def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms. On CPU the fp32 norm kernels lose up to 4e-4 (relative) on an
-    8192 x 128 gradient, enough to make a sharded and an unsharded norm disagree, so CPU sums
-    in fp64; CUDA's tree reductions are accurate in fp32."""
-    if grads[0].is_cuda:
-        return torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)])
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).float()
-
-
-@torch.no_grad()
-def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of the gradients of ``parameters``, wherever they live.
-
-    Parameters are grouped by the process groups their local gradient values are split over
-    (the Shard dims of a DTensor's mesh: e.g. [efsdp, ep] for routed experts under EP + FSDP);
-    each group's sum of squares is summed over those groups, and the groups are added.
-    Replicated dims are counted once. ``torch.nn.utils.clip_grad_norm_`` cannot do this: it
-    refuses DTensors on different meshes.
-    """
-    by_groups: dict[tuple, list[torch.Tensor]] = {}
-    device = None
-    for p in parameters:
-        if p.grad is None:
-            continue
-        g = local_tensor(p.grad)
-        device = g.device
-        by_groups.setdefault(_shard_groups(p), []).append(g)
-    if device is None:
-        return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, grads in by_groups.items():
-        sq = _norms(grads).square().sum()
-        for group in groups:
-            all_reduce_sum(sq, group)
-        total += sq
-    return total.sqrt()
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scales gradients so their global L2 norm is at most ``max_norm`` (``inf`` = only
-    measure); returns the norm before clipping. See ``grad_norm``."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params)
-    if math.isfinite(max_norm) and params:
-        # No host sync: the coefficient stays a tensor (1.0 when under the limit).
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([local_tensor(p.grad) for p in params], coef.to(local_tensor(params[0].grad).device))
-    return norm

@@ -5,16 +5,22 @@ House order (`docs/architecture.md`), all on the meta-device model:
     float8 -> TP -> EP -> CP -> AC -> compile -> Engram tables -> FSDP2/HSDP   (then to_empty + init)
 
 Each step is an ``apply_*`` of its own file; this module only decides which apply and on which
-mesh, and hands the step's layout work to a ``ParallelStep``.
+mesh, and hands the step's layout work to a ``ParallelStep``. The other build-time work on the
+parallelized model is here too: ``materialize`` (storage and initial weights) and
+``build_loss_function``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from models.engram import engram_table_params
+from models.engram import NgramHasher, engram_table_params
+from trainer.loss import cross_entropy_sum
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.parallel.context_parallel import apply_context_parallel
 from trainer.parallel.engram_parallel import (
     apply_engram_parallel,
@@ -27,15 +33,21 @@ from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import PipelineStep, activation_meta, local_stage_specs, split_model
 from trainer.parallel.step import ParallelStep
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
+from trainer.parallel.weight_init import init_model_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parallelize_model(
-    model: nn.Module, parallel_dims: ParallelDims, cfg, device_type: str = "cpu"
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    cfg,
+    device_type: str = "cpu",
+    engram_hasher: NgramHasher | None = None,
 ) -> tuple[nn.Module, ParallelStep]:
     """Applies every configured parallelism to ``model`` in place; returns it and the
-    ``ParallelStep`` that does the step's layout work (trainer/parallel/step.py).
+    ``ParallelStep`` that does the step's layout work (trainer/parallel/step.py), which hashes
+    the batches with ``engram_hasher`` (required when ``model`` has Engram layers).
 
     ``cfg`` is the JobConfig; this reads ``[quantize]``, ``[parallelism]``, ``[activation_checkpoint]`` and
     ``training.compile`` / ``training.mixed_precision_param``. Meshes are built here if the
@@ -48,6 +60,8 @@ def parallelize_model(
     if dims.pp_enabled:  # PP first: every later step sees only this rank's stages
         specs = local_stage_specs(dims, model.args.n_layers, model.args.mtp_depth)
         split_model(model, specs)
+        if engram_hasher is not None:  # this rank hashes for its own Engram layers only
+            engram_hasher = engram_hasher.select(model.engram_layer_ids)
     if cfg.quantize.float8:
         # Model converters come first, so every parallelism wraps the converted modules.
         from trainer.quantize import check_float8_support, convert_to_float8
@@ -110,5 +124,31 @@ def parallelize_model(
     if specs is not None:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if dims.data_parallel_enabled else None
         activation = activation_meta(cfg, dims, model.args.dim, param_dtype)
-        return model, PipelineStep(model, dims, specs, activation, context_parallel=context_parallel)
-    return model, ParallelStep(model, dims, context_parallel, keep_weights_between_microbatches=one_process_fsdp)
+        step = PipelineStep(
+            model, dims, specs, activation, context_parallel=context_parallel, engram_hasher=engram_hasher
+        )
+    else:
+        step = ParallelStep(
+            model, dims, context_parallel, keep_weights_between_microbatches=one_process_fsdp,
+            engram_hasher=engram_hasher,
+        )
+    return model, step
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocates the parallelized (meta) model on ``device`` and draws its initial weights,
+    the same in every layout (keyed by the seed and each parameter's global name)."""
+    model.to_empty(device=device)
+    init_model_weights(model, seed)
+    # The global generator is seeded again for whatever draws from it later.
+    torch.manual_seed(seed)
+
+
+def build_loss_function(
+    parallel_dims: ParallelDims, compile: bool
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The summed cross-entropy, compiled under ``training.compile`` (its blocks were compiled
+    by ``parallelize_model``); not under TP, whose logits are vocab-sharded DTensors."""
+    if compile and not parallel_dims.tp_enabled:
+        return compiled_cross_entropy_sum()
+    return cross_entropy_sum

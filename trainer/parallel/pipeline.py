@@ -64,7 +64,6 @@ def split_model(model: nn.Module, specs: list[StageSpec]) -> None:
         model.embed = None
     if not last:
         model.norm, model.head, model.mtp = None, None, None
-    model.engram_layer_ids = tuple(i for i in model.engram_layer_ids if str(i) in keep)
 
 
 class StageModule(nn.Module):
@@ -92,6 +91,9 @@ class StageModule(nn.Module):
                 self.mtp_embed = model.embed
         # The model's forward pieces, without registering the model (it holds other stages too).
         self._model = (model,)
+        # The rank's Engram ids have a slot per Engram block of the rank; these are this stage's.
+        rank_engram = list(model.engram_layer_ids)
+        self.engram_slots = [rank_engram.index(i) for i in spec.layers if i in rank_engram]
 
     def forward(self, *acts, tokens, labels=None, engram_ids=None):
         model = self._model[0]
@@ -100,6 +102,7 @@ class StageModule(nn.Module):
             h, aux = model.embed(tokens), None
         else:
             h, aux = acts
+        engram_ids = engram_ids[:, :, self.engram_slots] if self.engram_slots else None
         h, block_aux = model.forward_blocks(h, freqs_cis, attn_mask, tokens, engram_ids, self.blocks)
         aux = block_aux if aux is None else aux + block_aux
         if not self.spec.last:
@@ -125,7 +128,7 @@ class PipelineStep(ParallelStep):
         activation: tuple[tuple[int, ...], torch.dtype],
         **kwargs,
     ):
-        super().__init__(model, dims, **kwargs)
+        super().__init__(model, dims, pp=dims.mesh("pp"), **kwargs)
         self.specs = specs
         self.pp_mesh = dims.mesh("pp")
         self.stage_modules = [StageModule(model, spec) for spec in specs]
@@ -234,21 +237,18 @@ class PipelineStep(ParallelStep):
         return all_reduce_sum(super().step_sum(tensor), self.pp_mesh)
 
     def finish_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        if self.embedding_group is not None:
-            grad = self.model.embed.weight.grad
-            dist.all_reduce(local_tensor(grad), group=self.embedding_group)
-        # This stage's squared norm, each parameter counted once: the embedding replica of the
-        # last stage is left to the first stage.
-        replica = (
-            {id(self.model.embed.weight)}
-            if self.embedding_group is not None and not any(s.first for s in self.specs) else set()
-        )
-        own = [p for p in params if id(p) not in replica]
-        norm = super().finish_grads(own, 0.0)
-        norm = all_reduce_sum(norm.square(), self.pp_mesh).sqrt()
-        if max_norm > 0 and params:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
+        """The embedding replica's gradient summed with the first stage's, then the usual
+        finishing and clip, with the norm summed over the pipeline (each parameter once: the
+        replica is left to the first stage and clipped with the same coefficient)."""
+        if self.embedding_group is None:
+            return super().finish_grads(params, max_norm)
+        embed = self.model.embed.weight
+        dist.all_reduce(local_tensor(embed.grad), group=self.embedding_group)
+        if any(s.first for s in self.specs):
+            return super().finish_grads(params, max_norm)
+        norm = super().finish_grads([p for p in params if p is not embed], max_norm)
+        if max_norm > 0:
+            local_tensor(embed.grad).mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
 

@@ -4,34 +4,35 @@ parallelize -> step -> loop).
 ``parallelize_model`` returns a ``ParallelStep`` with the model. The trainer's step calls it at
 fixed points and never asks which parallelisms are on:
 
-- ``materialize``: real storage and the initial weights of the parallelized model;
-- ``prepare``: Engram hashing (on the full sequences: n-grams cross chunk borders), the
-  context-parallel split and the global valid-token counts, all before the first backward;
+- ``prepare``: Engram hashing with the step's own ``NgramHasher`` (on the full sequences:
+  n-grams cross chunk borders), the context-parallel split and the global valid-token counts,
+  all before the first backward;
 - ``loss_context``: loss parallelism around the step's forwards and backwards (entered once);
 - ``microbatches``: what FSDP does between micro-batches;
 - ``reduce_losses`` / ``finish_grads``: the global loss sums, TP partial grads, Engram table
-  grads and the gradient clip across every mesh.
+  grads and the gradient clip across every mesh (trainer/parallel/grad_norm.py).
 
-On one process each of these is a no-op or the plain single-device computation.
+On one process each of these is a no-op or the plain single-device computation. Build-time work
+(materializing the weights, choosing the loss function) is ``parallelize.py``'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from models.deepseek_v3 import mtp_loss
+from models.engram import NgramHasher, engram_table_params
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
-from trainer.parallel.compile import compiled_cross_entropy_sum
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.distributed import all_reduce_sum
-from trainer.parallel.engram_parallel import clip_grad_norm_with_tables, reduce_table_grads
-from trainer.parallel.weight_init import init_model_weights
+from trainer.parallel.engram_parallel import reduce_table_grads, sharded_lookup
 from trainer.parallel.fsdp import set_reshard_after_backward
+from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads, replicated_value
 
@@ -60,42 +61,51 @@ class MicroBatch:
 
 
 class ParallelStep:
+    """The layout's share of a step for ``model`` (a whole model or, under pipeline parallelism,
+    one stage of it).
+
+    Args:
+        engram_hasher: hashes the token ids for exactly ``model``'s Engram layers (an
+            ``NgramHasher`` built with ``layer_ids=model.engram_layer_ids``); None when it has none.
+        pp: ProcessGroup or 1-D DeviceMesh of the pipeline stages, over which the gradient norm
+            is summed; None = the whole model is here.
+    """
+
     def __init__(
         self,
         model: nn.Module,
         dims: ParallelDims,
         context_parallel: ContextParallel | None = None,
         keep_weights_between_microbatches: bool = False,
+        engram_hasher: NgramHasher | None = None,
+        pp=None,
     ):
+        layer_ids = tuple(getattr(model, "engram_layer_ids", ()))
+        hashed = tuple(engram_hasher.layer_ids) if engram_hasher is not None else ()
+        if hashed != layer_ids:
+            raise ValueError(
+                f"ParallelStep: the Engram hasher covers layers {list(hashed)}, the model holds Engram layers "
+                f"{list(layer_ids)}; build it with NgramHasher(args, compression, layer_ids=model.engram_layer_ids)"
+            )
         self.model = model
         self.dims = dims
         self.loss_mesh = dims.mesh_or_none("loss")
         self.context_parallel = context_parallel
         self.keep_weights = keep_weights_between_microbatches
-
-    def loss_function(self, compile: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The summed cross-entropy, compiled under ``training.compile`` (its blocks were compiled
-        by ``parallelize_model``); not under TP, whose logits are vocab-sharded DTensors."""
-        if compile and not self.dims.tp_enabled:
-            return compiled_cross_entropy_sum()
-        return cross_entropy_sum
+        self.engram_hasher = engram_hasher
+        self.pp = pp
+        # Row-sharded Engram tables: each rank's rows count once in the gradient norm.
+        lookup = sharded_lookup(model)
+        self.table_group = lookup.group if lookup is not None else None
+        self.engram_tables = engram_table_params(model) if self.table_group is not None else []
 
     @property
     def loss_degree(self) -> int:
         """Ranks whose per-rank means (the MoE balance loss) are averaged into the global one."""
         return self.dims.loss_degree
 
-    def materialize(self, device: torch.device, seed: int) -> None:
-        """Allocates the parallelized (meta) model on ``device`` and draws its initial weights,
-        the same in every layout (keyed by the seed and each parameter's global name)."""
-        self.model.to_empty(device=device)
-        init_model_weights(self.model, seed)
-        # The global generator is seeded again for whatever draws from it later.
-        torch.manual_seed(seed)
-
     def prepare_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
-        hasher = self.model.engram_hasher
-        engram_ids = hasher(inputs) if hasher is not None else None
+        engram_ids = self.engram_hasher(inputs) if self.engram_hasher is not None else None
         cp = self.context_parallel
         if cp is None:
             return MicroBatch(inputs, labels, {"engram_ids": engram_ids})
@@ -181,10 +191,9 @@ class ParallelStep:
         if self.dims.tp_enabled:
             replicate_partial_grads(params)
         reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
-        # Parameters may live on several meshes (dense "fsdp", experts "efsdp" x "ep"), which
-        # torch.nn.utils.clip_grad_norm_ refuses; this one also sums accurately on CPU (and
-        # counts each row-sharded Engram table shard once).
-        return clip_grad_norm_with_tables(params, max_norm if max_norm > 0 else math.inf, self.model)
+        return clip_grad_norm_(
+            params, max_norm if max_norm > 0 else math.inf, self.engram_tables, self.table_group, self.pp
+        )
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over every rank that saw different tokens (the "loss" mesh: data and
