@@ -172,7 +172,7 @@ class Trainer:
         model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type, hasher)
         materialize(model, self.device, t.seed)
         model.train()
-        if hasher is not None:
+        if model.engram_layer_ids:  # (a pipeline rank may hold none)
             table_stats = engram_metrics(model)
             logger.info(
                 "engram: layers %s, %d compressed ids (of %d), %d table rows = %.1f MiB on this rank",
