@@ -53,6 +53,17 @@ LAYOUTS = {
     "pp_2_tp_2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--training.local_batch_size", "8"]),
 }
 SINGLE = (1, ["--training.local_batch_size", "8"])
+# Engram blocks 1 and 3 on different pipeline stages (0-1 | 2-5), tables whole or split over 2 ranks.
+ENGRAM = ["--job.config_file", str(REPO / "train_configs" / "debug_engram.toml")]
+ENGRAM_PP = ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*2|t*4L"]
+ENGRAM_LAYOUTS = {
+    "engram_pp_2": (2, [*ENGRAM, *ENGRAM_PP, "--training.local_batch_size", "8"]),
+    "engram_pp_2_fsdp_2_table_2": (
+        4,
+        [*ENGRAM, *ENGRAM_PP, "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
+         "--engram.embedding_parallel_degree", "2"],
+    ),
+}
 
 
 def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
@@ -92,12 +103,7 @@ def _assert_close(what: str, got: float, want: float) -> None:
     assert abs(got - want) <= REL * abs(want), f"{what}: {got} vs {want}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_losses_and_validation_match_one_process(runs, layout):
-    single = runs("single", SINGLE[0], [*PARITY, *SINGLE[1]])
-    nproc, flags = LAYOUTS[layout]
-    got = runs(layout, nproc, [*PARITY, *flags])
+def _assert_parity(layout: str, got: dict, single: dict) -> None:
     assert [s for s in got if "loss" in got[s]] == [1, 2, 3, 4, 5]
     for step in range(1, 6):
         _assert_close(f"{layout} step {step} loss", got[step]["loss"], single[step]["loss"])
@@ -105,6 +111,22 @@ def test_losses_and_validation_match_one_process(runs, layout):
         _assert_close(f"{layout} step {step} val_loss", got[step]["val_loss"], single[step]["val_loss"])
     # Not a constant: the model trains, and step 1 is not the layout-independent ln(vocab).
     assert single[5]["loss"] < single[1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_losses_and_validation_match_one_process(runs, layout):
+    single = runs("single", SINGLE[0], [*PARITY, *SINGLE[1]])
+    nproc, flags = LAYOUTS[layout]
+    _assert_parity(layout, runs(layout, nproc, [*PARITY, *flags]), single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ENGRAM_LAYOUTS))
+def test_engram_pipeline_matches_one_process(runs, layout):
+    single = runs("engram_single", SINGLE[0], [*PARITY, *ENGRAM, *SINGLE[1]])
+    nproc, flags = ENGRAM_LAYOUTS[layout]
+    _assert_parity(layout, runs(layout, nproc, [*PARITY, *flags]), single)
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ The folder (`step-N`, `model_args.json`, the `COMPLETE` marker) is `trainer.chec
 the state dict a training checkpoint holds is this module's:
 
     model          get_state_dict(model): parameters and persistent buffers (the MoE `expert_bias`)
-    optimizer      get_state_dict(optimizer): FQN-keyed, so it reshards like the model
+    optimizer      get_state_dict(optimizer): FQN-keyed, param groups too (flattened), so it
+                   reshards like the model, across pipeline stages as well
     lr_scheduler   LambdaLR.state_dict()
     train_state    {"step", "skipped_total"}
     rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
@@ -38,7 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 from trainer.checkpoint.folder import (
@@ -66,6 +72,9 @@ from trainer.checkpoint.folder import (
 from trainer.parallel.distributed import barrier, global_rank, global_world_size, is_distributed
 
 logger = logging.getLogger("trainer")
+# Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other
+# parameters than another rank's, so index-keyed groups would collide in the checkpoint.
+OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -147,7 +156,7 @@ class CheckpointManager:
         return f"rank_state_{self.rank}"
 
     def _full_state(self, train_state: dict) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_BY_NAME)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -327,7 +336,10 @@ class CheckpointManager:
             dcp_load(state, info.path)
         except LOAD_ERRORS as e:
             raise UnreadableCheckpoint(short_error(e)) from None
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=OPTIM_BY_NAME,
+        )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
         train_state = state["train_state"]
