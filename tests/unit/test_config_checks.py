@@ -126,6 +126,7 @@ def test_run_folder_with_an_earlier_run_is_refused(tmp_path):
             ["refuses for compiled stages", "Interleaved1F1B"],
         ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|Lt*3"], ["exactly one L, at the end"]),
+        (4, ["--parallelism.pp", "2", "--parallelism.cp", "2"], ["context parallelism", "not supported yet"]),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|t*3X"], ["cannot read 'X'"]),
         (4, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], ["pp_microbatches = 2 must divide training.local_batch_size = 3"]),
     ],

@@ -82,6 +82,14 @@ class StageSpec:
     last: bool
 
 
+def rank_stages(specs: list[StageSpec], schedule: str, pp: int, rank: int) -> list[StageSpec]:
+    """The stages pp rank ``rank`` runs: stage s on rank s % pp (looped schedules), or rank r
+    holding stages r and 2 pp - 1 - r (V schedules, so the first and last stage share a rank)."""
+    if schedule in V_SCHEDULES:
+        return [specs[rank], specs[2 * pp - 1 - rank]]
+    return specs[rank::pp]
+
+
 _TOKEN = re.compile(r"([EtL])(?:\*(\d+))?")
 
 

@@ -37,7 +37,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from models.deepseek_v3.model import ModelOutput
-from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageSpec, split_stages
+from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageSpec, rank_stages, split_stages
 from trainer.loss import count_valid, cross_entropy_sum
 from trainer.parallel.distributed import all_reduce_sum, local_tensor
 from trainer.parallel.parallel_dims import ParallelDims
@@ -45,13 +45,9 @@ from trainer.parallel.step import MicroBatch, ParallelStep
 
 
 def local_stage_specs(dims: ParallelDims, n_layers: int, mtp_depth: int) -> list[StageSpec]:
-    """The stages this rank runs: stage s on pp rank s % pp (looped schedules), or ranks r
-    holding stages r and 2 pp - 1 - r (V schedules, so the first and last stage share a rank)."""
+    """The stages this rank runs (`rank_stages`)."""
     specs = split_stages(n_layers, mtp_depth, dims.pp_stages, dims.pp_layout)
-    rank, pp = dims.mesh("pp").get_local_rank(), dims.pp
-    if dims.pp_schedule in V_SCHEDULES:
-        return [specs[rank], specs[2 * pp - 1 - rank]]
-    return [specs[rank + k * pp] for k in range(dims.pp_stages_per_rank)]
+    return rank_stages(specs, dims.pp_schedule, dims.pp, dims.mesh("pp").get_local_rank())
 
 
 def split_model(model: nn.Module, specs: list[StageSpec]) -> None:
