@@ -422,7 +422,7 @@ class Trainer:
                         peak_flops=self.peak_flops,
                     )
                 )
-                record["memory_gib"] = peak_memory_gib(self.device)
+                record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
                 record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
                 record.update(self.breakdown.window_record())
                 if not math.isfinite(stats["loss"]):

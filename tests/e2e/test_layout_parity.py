@@ -118,7 +118,10 @@ def _assert_parity(layout: str, got: dict, single: dict) -> None:
 def test_losses_and_validation_match_one_process(runs, layout):
     single = runs("single", SINGLE[0], [*PARITY, *SINGLE[1]])
     nproc, flags = LAYOUTS[layout]
-    _assert_parity(layout, runs(layout, nproc, [*PARITY, *flags]), single)
+    got = runs(layout, nproc, [*PARITY, *flags])
+    _assert_parity(layout, got, single)
+    if "--parallelism.pp" in flags:  # rank 0 logs every stage's peak memory
+        assert got[5]["memory_gib"] == max(got[5]["memory_gib_pp0"], got[5]["memory_gib_pp1"]) > 0
 
 
 @pytest.mark.slow

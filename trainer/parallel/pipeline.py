@@ -227,6 +227,16 @@ class PipelineStep(ParallelStep):
         total = torch.stack(totals).sum(0) if totals else torch.zeros(2, dtype=torch.float64, device=labels.device)
         return total[0], total[1]
 
+    def per_stage(self, name: str, value: float) -> dict[str, float]:
+        """Every pipeline rank's figure (``{name}_pp{r}``) and the largest as ``name``: stages
+        differ (the last holds the head and the logits). A collective and a host read: for
+        logging steps."""
+        device = local_tensor(next(self.model.parameters())).device
+        values = torch.zeros(self.dims.pp, dtype=torch.float64, device=device)
+        values[self.pp_mesh.get_local_rank()] = value
+        values = all_reduce_sum(values, self.pp_mesh).tolist()
+        return {name: max(values), **{f"{name}_pp{r}": v for r, v in enumerate(values)}}
+
     # ----------------------------------------------------------------- after backward
     def step_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Step values live on the last stage: summed over the data ranks, then the pipeline."""

@@ -177,6 +177,10 @@ class ParallelStep:
             loss_sum = self.value(cross_entropy_sum(logits, mb.labels))
         return loss_sum, count_valid(mb.labels)
 
+    def per_stage(self, name: str, value: float) -> dict[str, float]:
+        """A per-rank figure (peak memory) for the metrics: this rank's."""
+        return {name: value}
+
     def reduce_losses(self, *losses: torch.Tensor) -> torch.Tensor:
         """Sums of this rank's step losses over all ranks, stacked."""
         return self.step_sum(torch.stack(losses))
