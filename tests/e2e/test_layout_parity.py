@@ -148,3 +148,19 @@ def test_checkpoint_resumes_in_another_layout(runs, source, layout):
         _assert_close(f"{source} resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
     log = (runs.root / f"{source}_resumed_{layout}" / "train.log").read_text()
     assert "resumed from" in log and "not restored" not in log and "restart from the seed" not in log
+
+
+@pytest.mark.slow
+def test_pp_2_checkpoint_exports_to_hf(runs, tmp_path):
+    """A pipelined run's checkpoint holds the whole model under its global names: the HF export
+    of it has every weight, the first stage's embedding and the last stage's head and MTP block."""
+    runs("pp_2_straight", 2, [*RESUME, *LAYOUTS["pp_2"][1]])
+    step10 = runs.root / "pp_2_straight" / "checkpoint" / "step-10"
+    proc = subprocess.run(
+        ["python", str(REPO / "scripts" / "convert_hf.py"), "export", str(step10), str(tmp_path / "hf")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"} <= set(names)
+    assert any(name.startswith("model.layers.6.") for name in names)  # the MTP block, after the 6 main blocks
