@@ -6,13 +6,17 @@
 # Environment:
 #   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml in this repository)
 #   NGPU         processes per node (default: the visible GPUs, or 1 CPU process when there are none)
-#   LOG_RANK     comma-separated ranks whose output is shown (default 0)
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node jobs (c10d rendezvous)
+#   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node jobs (c10d rendezvous; MASTER_PORT
+#                default 29500). One node picks a free port unless MASTER_PORT is set.
+#   RDZV_TIMEOUT seconds the nodes may take to meet (default 600)
 # Every argument is passed to `python -m trainer.train`, so CLI overrides work as usual:
 #   ./run_train.sh --training.steps 50 --training.compile
-# The config, the layout (against NNODES x NGPU) and the run folder are checked before any
-# process starts; a mistake prints one `config error: ...` line and exits with code 2, as does
-# any user mistake a worker finds (one `[rankN] ...` line per failing rank).
+# The environment, the config, the layout (against NNODES x NGPU) and the dump folder are checked
+# before any process starts; a mistake prints one `config error: ...` line and exits with code 2,
+# as does any user mistake a worker finds (one `[rankN] ...` line per failing rank).
+# SIGTERM, SIGINT (Ctrl-C) and SIGHUP stop the run: the workers save the step they are in, and
+# the script exits 0 once they have; a second Ctrl-C aborts at once.
 set -euo pipefail
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,6 +24,18 @@ CONFIG_FILE="${CONFIG_FILE:-$REPO_DIR/train_configs/debug_model.toml}"
 if [[ ! -f "$CONFIG_FILE" && -f "$REPO_DIR/$CONFIG_FILE" ]]; then
   CONFIG_FILE="$REPO_DIR/$CONFIG_FILE"
 fi
+
+config_error() {
+  printf 'config error: %s\n' "$1" >&2
+  exit 2
+}
+# Environment values are checked before any arithmetic reads them (bash would take NGPU=two for a
+# variable name and stop with "unbound variable").
+check_integer() {  # NAME VALUE MIN MAX WHAT
+  if [[ ! "$2" =~ ^[0-9]+$ ]] || (( 10#$2 < $3 || 10#$2 > $4 )); then
+    config_error "$1=$2: $5"
+  fi
+}
 
 if [[ -z "${NGPU:-}" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -32,19 +48,37 @@ if [[ -z "${NGPU:-}" ]]; then
   fi
   [[ "$NGPU" -ge 1 ]] || NGPU=1
 fi
+check_integer NGPU "$NGPU" 1 4096 "processes per node must be a positive integer, e.g. NGPU=2"
 NNODES="${NNODES:-1}"
+check_integer NNODES "$NNODES" 1 100000 "the number of nodes must be a positive integer, e.g. NNODES=2"
 NODE_RANK="${NODE_RANK:-0}"
+check_integer NODE_RANK "$NODE_RANK" 0 $((NNODES - 1)) "this node's rank must be one of 0..$((NNODES - 1)) (NNODES=$NNODES)"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  check_integer MASTER_PORT "$MASTER_PORT" 1 65535 "the rendezvous port must be an integer in 1..65535, or unset MASTER_PORT for a free one"
+fi
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
+check_integer RDZV_TIMEOUT "$RDZV_TIMEOUT" 1 86400 "seconds the nodes may take to meet must be a positive integer"
 LOG_RANK="${LOG_RANK:-0}"
+IFS=, read -r -a log_ranks <<<"$LOG_RANK"
+for rank in "${log_ranks[@]}"; do
+  if [[ ! "$rank" =~ ^[0-9]+$ ]] || (( 10#$rank >= NGPU )); then
+    config_error "LOG_RANK=$LOG_RANK: the shown ranks must be local ranks, 0..$((NGPU - 1)) with NGPU=$NGPU, comma-separated, e.g. LOG_RANK=0"
+  fi
+done
 
 export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # Offline by default: a debug run must not block on a login prompt.
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
-# Check the config, the layout against NNODES x NGPU and the run folder before starting anything
-# (torch-free: a bad config costs a second and prints one `config error: ...` line, exit code 2).
-python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" --job.config_file "$CONFIG_FILE" "$@"
+# Check the config, the layout against NNODES x NGPU, the dump folder and a given single-node
+# MASTER_PORT before starting anything (torch-free: a mistake costs a second and prints one
+# `config error: ...` line, exit code 2).
+port_check=()
+if (( NNODES == 1 && NGPU > 1 )) && [[ -n "${MASTER_PORT:-}" ]]; then
+  port_check=(--free-port "$MASTER_ADDR:$MASTER_PORT")
+fi
+python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" "${port_check[@]}" --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do
   [[ "$arg" == "-h" || "$arg" == "--help" ]] && exit 0
 done
@@ -53,35 +87,102 @@ if [[ "$NGPU" -eq 1 && "$NNODES" -eq 1 ]]; then
   exec python3 -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 
-# A worker that meets a user mistake writes its one-line message to TRAINER_ERROR_DIR/rank<R>.err
-# and exits 2. The launcher's own messages (and its traceback when a worker fails) are held back:
-# shown only when no worker explained its failure.
-TRAINER_ERROR_DIR="$(mktemp -d)"
-LAUNCHER_LOG="$TRAINER_ERROR_DIR/launcher.log"
-export TRAINER_ERROR_DIR
-trap 'rm -rf "$TRAINER_ERROR_DIR"' EXIT
-set +e
-# stdout goes straight through (fd 3); stderr passes the filter: the workers' "[rankN]:" lines go
-# on to the terminal, the launcher's own lines to LAUNCHER_LOG.
-{
-  torchrun \
-    --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" \
-    --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-    --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
-    -m trainer.train --job.config_file "$CONFIG_FILE" "$@" 2>&1 1>&3 3>&- |
-    while IFS= read -r line || [[ -n "$line" ]]; do
-      if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
-    done
-  status=${PIPESTATUS[0]}
-} 3>&1
-set -e
+if (( NNODES == 1 )) && [[ -z "${MASTER_PORT:-}" ]]; then
+  # One node: torchrun's standalone rendezvous on a free port, so two jobs on one machine never meet.
+  rendezvous=(--standalone)
+else
+  MASTER_PORT="${MASTER_PORT:-29500}"
+  rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_conf="join_timeout=$RDZV_TIMEOUT")
+fi
+
+# The launcher and its workers share TRAINER_LAUNCH_DIR: a worker writes rank<R>.pid once its stop
+# handlers are installed, rank<R>.err with its one-line message when it meets a user mistake (exit
+# 2), and rank<R>.exit with its exit code. The launcher's own messages (and its traceback when a
+# worker fails) are held back in launcher.log: shown only when no worker explained its failure.
+TRAINER_LAUNCH_DIR="$(mktemp -d)"
+LAUNCHER_LOG="$TRAINER_LAUNCH_DIR/launcher.log"
+export TRAINER_LAUNCH_DIR
+trap 'rm -rf "$TRAINER_LAUNCH_DIR"' EXIT
 shopt -s nullglob
-errors=("$TRAINER_ERROR_DIR"/rank*.err)
+
+# Stops. torchrun and its workers run in process groups of their own, so a stop sent to this
+# script's group (Ctrl-C, kill -TERM -PGID) reaches only this script, which forwards it once to
+# each worker and waits while they save the step they are in and exit. Not through torchrun: it
+# would kill workers that take more than its shutdown timeout (30 s) to save.
+stop_signal=""
+woke=0
+launcher_pid=""
+forward() {  # SIGNAL: to every worker that has its stop handler, else to torchrun, which passes it on
+  local file sent=0
+  for file in "$TRAINER_LAUNCH_DIR"/rank*.pid; do
+    kill -s "$1" "$(<"$file")" 2>/dev/null && sent=1
+  done
+  (( sent )) || kill -s "$1" "$launcher_pid" 2>/dev/null || true
+}
+on_signal() {  # SIGNAL
+  woke=1
+  if [[ -z "$stop_signal" ]]; then
+    stop_signal="$1"
+    printf 'run_train.sh: SIG%s: the workers finish and save the step they are in, then stop (a second Ctrl-C aborts at once, losing that save)\n' "$1" >&2
+    forward "$([[ "$1" == HUP ]] && echo TERM || echo "$1")"
+  elif [[ "$1" == INT && "$stop_signal" != ABORT ]]; then
+    stop_signal=ABORT
+    printf 'run_train.sh: second Ctrl-C: killing the workers; resume starts from the last complete checkpoint\n' >&2
+    forward KILL
+  fi
+}
+trap 'on_signal TERM' TERM
+trap 'on_signal INT' INT
+trap 'on_signal HUP' HUP
+
+# stdout goes straight through; stderr passes the filter: the workers' "[rankN]:" lines go on to
+# the terminal, the launcher's own lines to LAUNCHER_LOG.
+mkfifo "$TRAINER_LAUNCH_DIR/stderr"
+set -m
+while IFS= read -r line || [[ -n "$line" ]]; do
+  if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
+done <"$TRAINER_LAUNCH_DIR/stderr" &
+filter_pid=$!
+torchrun \
+  --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" "${rendezvous[@]}" \
+  --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+  -m trainer.train --job.config_file "$CONFIG_FILE" "$@" </dev/null 2>"$TRAINER_LAUNCH_DIR/stderr" &
+launcher_pid=$!
+set +m +e
+while :; do
+  woke=0
+  wait "$launcher_pid"
+  status=$?
+  # A trapped signal ends `wait` early (status > 128) while torchrun runs on: wait again.
+  (( woke && status > 128 )) || break
+done
+wait "$filter_pid"
+set -e
+
+errors=("$TRAINER_LAUNCH_DIR"/rank*.err)
 if (( ${#errors[@]} )); then
   for file in $(printf '%s\n' "${errors[@]}" | sort -V); do
     rank="$(basename "$file" .err)"
     printf '[%s] %s\n' "$rank" "$(cat "$file")" >&2
   done
+  exit 2
+fi
+exits=("$TRAINER_LAUNCH_DIR"/rank*.exit)
+if [[ "$stop_signal" != ABORT ]] && (( ${#exits[@]} == NGPU )) && ! grep -qvx 0 "${exits[@]}"; then
+  # Every worker of this node finished or stopped on request and saved: torchrun's own exit code
+  # (1 after it got the stop signal itself) says nothing more.
+  exit 0
+fi
+[[ "$stop_signal" == ABORT ]] && exit 130
+started=("$TRAINER_LAUNCH_DIR"/rank*.pid)
+if [[ -n "$stop_signal" ]] && (( ${#started[@]} == 0 )); then
+  printf 'run_train.sh: stopped by SIG%s while the workers were starting: nothing was trained, nothing to save\n' "$stop_signal" >&2
+  exit 0
+fi
+if (( status != 0 && ${#started[@]} == 0 )) && [[ "${rendezvous[0]}" != --standalone ]]; then
+  reason="$(grep -E 'Error|error' "$LAUNCHER_LOG" 2>/dev/null | tail -n 1 || true)"
+  printf 'error: the workers never started: the rendezvous at MASTER_ADDR:MASTER_PORT = %s:%s failed (%s; RDZV_TIMEOUT = %s s). Check that all NNODES = %s nodes are started with the same MASTER_ADDR and MASTER_PORT, that the node with that address can listen on the port (no other job holds it) and the others reach it.\n' \
+    "$MASTER_ADDR" "$MASTER_PORT" "${reason:-no message}" "$RDZV_TIMEOUT" "$NNODES" >&2
   exit 2
 fi
 if (( status != 0 )) && [[ -f "$LAUNCHER_LOG" ]]; then

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.config.pipeline_layout import PP_SCHEDULES, default_microbatches, default_stages_per_rank  # noqa: E402
 from trainer.parallel.distributed import spawn_local  # noqa: E402
+from trainer.run_folder import latest_run_folder  # noqa: E402
 
 STAGE_WORK = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -91,7 +92,7 @@ def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
         "--parallelism.pp_microbatches", str(microbatches),
     ]
     ranks = spawn_local(_worker, args.pp, argv, timeout=1800)
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (latest_run_folder(folder) / "metrics.jsonl").read_text().splitlines()]
     tokens_per_device = args.batch * args.seq_len / args.pp
     times = [tokens_per_device / r["tokens_per_sec"] for r in records if r["step"] > 2 and "tokens_per_sec" in r]
     bubbles = [1 - busy / train_s for _, busy, train_s in sorted(ranks)]

@@ -2,7 +2,7 @@
 
 Each benchmark runs in its own process (a failure or a compile cache in one does not touch the
 others), in this order: MoE layer, whole step (eager vs compile, float8 on GPU), compile, Engram,
-context-parallel exchange. ``--quick`` shrinks sizes and step counts so the whole set finishes
+context-parallel exchange, gradient norm. ``--quick`` shrinks sizes and step counts so the whole set finishes
 in a few minutes on a laptop CPU; without it each script runs with its own defaults (GPU-sized
 when a GPU is visible).
 
@@ -41,6 +41,7 @@ BENCHMARKS = {
     "compile": ("compile_bench.py", ["--seq-len", "128", "--batch-size", "2", "--steps", "3", "--warmup", "2"], "json_first"),
     "engram": ("engram_bench.py", ["--seq-len", "128", "--batch", "2", "--steps", "4"], "engram_text"),
     "cp": ("cp_comm_bench.py", ["--seq_len", "128"], "json_file"),
+    "grad_norm": ("grad_norm_bench.py", ["--flavor", "debugmodel", "--model-override", "n_layers=2"], "json_first"),
 }
 
 _ENGRAM_TIMES = re.compile(r"without Engram ([\d.]+) ms .* ([\d.]+) ms \| ratio ([\d.]+)")

@@ -31,9 +31,9 @@ from models.engram import EngramArgs, NgramHasher, build_token_compression, engr
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.memory import check_fits
-from trainer.config.check import check_run_folder
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
+from trainer.launch_files import report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.metrics import (
     MetricsLogger,
@@ -49,12 +49,14 @@ from trainer.parallel import (
     build_loss_function,
     destroy_distributed,
     exit_process,
+    from_rank0,
     init_distributed,
     is_rank0,
     local_rank_from_env,
     materialize,
     parallelize_model,
 )
+from trainer.run_folder import open_run_folder
 from trainer.runtime import (
     git_revision,
     keep_freed_host_memory,
@@ -126,15 +128,17 @@ class Trainer:
         self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
         self.parallel_dims.check_stages(flavor.n_layers, flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth)
 
-        check_run_folder(cfg)
-        self.run_dir = Path(cfg.job.dump_folder)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        _setup_logging(self.run_dir / "train.log")
-
         self.device = select_device(t.device, local_rank_from_env())
         init_distributed(self.device)
+        resumable = cfg.checkpoint.enable
+        self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
+        _setup_logging(self.run_dir / "train.log")
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
+        logger.info(
+            "run folder %s (%s)", self.run_dir.resolve(),
+            "resumable: every rerun continues it" if resumable else "a fresh run: a new folder under job.dump_folder",
+        )
         for warning in cfg.warnings() if is_rank0() else ():
             logger.warning("config warning: %s", warning)
         if self.device.type == "cpu" and t.cpu_keep_freed_memory:
@@ -228,6 +232,21 @@ class Trainer:
         if resumed is not None:
             self.step = int(resumed["step"])
             self.nonfinite.load_state_dict(resumed)
+            self._note_data_shape_changes(resumed)
+
+    def _data_shape(self) -> dict[str, int]:
+        """Saved with every checkpoint: a resume may change them, but should say so."""
+        return {"seq_len": self.cfg.training.seq_len, "global_batch_size": self.train_loader.global_batch_size}
+
+    def _note_data_shape_changes(self, saved: dict) -> None:
+        changed = [
+            f"training.{k} {int(saved[k])} -> {v}" for k, v in self._data_shape().items() if int(saved.get(k, v)) != v
+        ]
+        if changed:
+            logger.warning(
+                "note: resumed with %s; the data continues from the saved position, cut to the new shape (the "
+                "loss curve is not the one the saved settings would have given)", ", ".join(changed),
+            )
 
     def _build_validator(self) -> Validator:
         v, t = self.cfg.validation, self.cfg.training
@@ -371,19 +390,24 @@ class Trainer:
     def validate(self) -> float:
         return self.validator.evaluate(self.model)
 
-    def train(self) -> None:
+    def train(self, stop: StopRequest | None = None) -> None:
+        """Train to `training.steps`, or until `stop` (installed by the caller; by default one
+        of this call's own) asks to save and stop."""
         cfg, t = self.cfg, self.cfg.training
+        own_stop = stop is None
+        if own_stop:
+            stop = StopRequest(t.time_limit_minutes).install()
+        # A stop that came while the run was built: nothing was trained, nothing to save.
+        stop_reason = stop.reason()
         self.train_iter = iter(self.train_loader)
-        if self.validator is not None and self.step == 0:
+        if self.validator is not None and self.step == 0 and stop_reason is None:
             self.metrics.log({"step": 0, "val_loss": self.validate()})
-        stop = StopRequest(t.time_limit_minutes).install()
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
         world = self.parallel_dims.world_size
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world / world
         window_time, window_wait, window_steps = 0.0, 0.0, 0
-        stop_reason = None
         try:
             while self.step < t.steps and stop_reason is None:
                 self.step += 1
@@ -403,7 +427,7 @@ class Trainer:
                 window_steps += 1
                 stop_reason = stop.reason()
                 self.checkpointer.maybe_save(
-                    self.step, {"step": self.step, **self.nonfinite.state_dict()},
+                    self.step, {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()},
                     last=self.step == t.steps, force=stop_reason is not None,
                 )
                 is_log = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps or self.step == 1
@@ -436,7 +460,8 @@ class Trainer:
             raise
         finally:
             gc.enable()
-            stop.uninstall()
+            if own_stop:
+                stop.uninstall()
             self.profiler.close()
             self.checkpointer.wait()
         if stop_reason is not None:
@@ -463,24 +488,22 @@ def _setup_logging(log_file: Path) -> None:
         root.addHandler(handler)
 
 
-def report_user_error(message: str) -> int:
-    """Shows a user mistake as one line and returns exit code 2.
-
-    Under run_train.sh's torchrun (TRAINER_ERROR_DIR set) the line goes to a file per rank, which
-    the script prints once the launcher is done: every failing rank's line reaches the user, not
-    only the logged ranks', and without the launcher's own traceback.
-    """
-    error_dir, rank = os.environ.get("TRAINER_ERROR_DIR"), os.environ.get("RANK")
-    if error_dir and rank is not None:
-        Path(error_dir, f"rank{rank}.err").write_text(message + "\n", encoding="utf-8")
-    else:
-        print(message, file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
+    except ConfigError as e:
+        return report_user_error(f"config error: {e}")
+    # Before the build, which can take minutes: a stop signal meanwhile is a request too.
+    stop = StopRequest(cfg.training.time_limit_minutes).install()
+    write_launch_file("pid", str(os.getpid()))
+    try:
+        return _build_and_train(cfg, stop)
+    finally:
+        stop.uninstall()
+
+
+def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
+    try:
         trainer = Trainer(cfg)
     except ConfigError as e:
         destroy_distributed()  # a process group made before the mistake was found
@@ -489,8 +512,12 @@ def main(argv: list[str] | None = None) -> int:
         # Bad paths, files or data options found while building the run: one line, no traceback.
         destroy_distributed()
         return report_user_error("error: " + " ".join(str(e).split()))
+    except KeyboardInterrupt:  # a second Ctrl-C while starting
+        destroy_distributed()
+        print("interrupted while starting; nothing was trained", file=sys.stderr)
+        return 130
     try:
-        trainer.train()
+        trainer.train(stop)
     except ConfigError as e:
         # A setting that only the run itself can find wrong (e.g. a validation split smaller
         # than one global batch): one line, as at startup.
@@ -507,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    code = main()
+    write_launch_file("exit", str(code))
     # Not sys.exit: a finished distributed run must not abort in the interpreter teardown
     # (exit_process explains).
-    exit_process(main())
+    exit_process(code)

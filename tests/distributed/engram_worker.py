@@ -274,19 +274,19 @@ def run_checkpoint(
             dataloader=_NoData(), model_args=reference.args, device=torch.device("cpu"),
         )
 
-        def train_step(step: int) -> float:
+        def train_step(step: int) -> tuple[float, float]:
             rows = global_batch(step).chunk(world)[rank]
             labels = torch.roll(rows, -1, dims=1)
             out = model(rows, engram_ids=hasher(rows))
             loss = cross_entropy_sum(out.logits, labels) / (4 * S)
             loss.backward()
-            parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
+            norm = parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
             optimizer_step(optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             total = loss.detach().clone()
             dist.all_reduce(total)
-            return float(total)
+            return float(total), float(norm)
 
         if mode == "save":
             for step in (1, 2):
@@ -294,9 +294,12 @@ def run_checkpoint(
             checkpointer.save(2, {"step": 2})
         else:
             assert int(checkpointer.load()["step"]) == 2
-        losses = [train_step(step) for step in (3, 4)]
+        losses, norms = zip(*[train_step(step) for step in (3, 4)])
         rows = sum(m.table.weight.shape[0] for m in engram_modules(model))
-        queue.put((rank, {"losses": losses, "table_rows": rows, "num_rows": sum(m.table.num_rows for m in engram_modules(model))}))
+        queue.put((rank, {
+            "losses": losses, "grad_norms": norms, "table_rows": rows,
+            "num_rows": sum(m.table.num_rows for m in engram_modules(model)),
+        }))
     except Exception as e:
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise

@@ -3,9 +3,10 @@ CheckpointManager / DCP) reshard to another embedding-parallel degree and contin
 loss: saved at degree 2 on 4 ranks (2 shards x 2 replicas, whose table grads are summed) with the
 tables' Adam state offloaded to the CPU, resumed at degree 4 on 4 ranks (state on the device) and
 at degree 1 on 2 ranks (whole tables on each rank, offloaded again). FSDP2 and EP 2 throughout.
-Steps 3 and 4 after the resume must give the losses of the uninterrupted run; step 4 also depends
-on the restored Adam moments. The three layouts split each step's tokens differently, so equal
-losses also check the sharded lookups and gradient sums against each other."""
+Steps 3 and 4 after the resume must give the losses and gradient norms of the uninterrupted run;
+step 4 also depends on the restored Adam moments. The three layouts split each step's tokens
+differently, so equal losses and norms also check the sharded lookups, the gradient sums and the
+count of each table row in the norm against each other."""
 
 import pytest
 
@@ -25,7 +26,7 @@ def _launch(world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) ->
 def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
     ckpt = str(tmp_path / "run")
     saved = _launch(4, 2, "save", ckpt, offload=True)
-    losses = saved[0]["losses"]
+    losses, norms = saved[0]["losses"], saved[0]["grad_norms"]
     for world, degree, offload in ((4, 4, False), (2, 1, True)):
         resumed = _launch(world, degree, "load", ckpt, offload=offload)
         num_rows = resumed[0]["num_rows"]
@@ -35,3 +36,6 @@ def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
             assert r["table_rows"] <= num_rows / degree + len(engram_worker.ENGRAM.layer_ids), (degree, r)
             for a, b in zip(r["losses"], losses):
                 assert abs(a - b) <= 1e-5 * abs(b), (degree, r["losses"], losses)
+            # Each table row counted once in the global gradient norm, whatever holds it.
+            for a, b in zip(r["grad_norms"], norms):
+                assert abs(a - b) <= 1e-5 * abs(b), (degree, r["grad_norms"], norms)

@@ -1,9 +1,11 @@
 """User mistakes through run_train.sh, as a user makes them: each fails fast with exit code 2 and
 one `error:` line per failing process that names the key or the file, and no traceback.
 
-Layout and config mistakes are caught by the pre-launch check before any process starts; the
-others (files that turn out unreadable, a model the layout cannot split) by every worker, whose
-lines run_train.sh prints as `[rankN] ...` instead of the launcher's traceback."""
+Mistakes in the launch environment (NGPU, LOG_RANK), the config file (encoding, layout, keys) and
+the dump folder are caught before any process starts (by run_train.sh and the pre-launch check);
+the others (data files that turn out empty or unreadable, a model the layout cannot split) by every
+worker, whose lines run_train.sh prints as `[rankN] ...` instead of the launcher's traceback.
+Resuming with another data shape, or past a damaged checkpoint folder, is no mistake but is logged."""
 
 import os
 import re
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from trainer.train import main
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +29,10 @@ SMALL = [
 ]
 
 
-def run_train(tmp_path, ngpu, *args):
+def run_train(tmp_path, ngpu, *args, **env):
     env = {
         **os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-        "MASTER_PORT": str(20000 + (os.getpid() * 7 + ngpu) % 20000),
+        "MASTER_PORT": "", **env,
     }
     start = time.perf_counter()
     proc = subprocess.run(
@@ -76,18 +80,38 @@ def test_config_mistakes_fail_before_launch(tmp_path, ngpu, args, names):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("ngpu", [1, 2])
-def test_rerun_into_a_used_run_folder_is_refused(tmp_path, ngpu):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.toml").write_text("")
-    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
-    proc, seconds = run_train(tmp_path, ngpu)
-    assert_refused(proc, seconds, ngpu, "job.dump_folder", "--checkpoint.enable", prelaunch=True)
-    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
+def launch_files(tmp_path):
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf[training]\nsteps = 1\n")
+    (tmp_path / "latin1.toml").write_bytes('[job]\ndescription = "café"\n'.encode("latin-1"))
+    (tmp_path / "a_file").write_text("")
+
+
+@pytest.mark.parametrize(
+    "ngpu, env, args, names",
+    [
+        (1, {"CONFIG_FILE": "latin1.toml"}, [], ["latin1.toml is not UTF-8", "line 2", "convert it"]),
+        (2, {"CONFIG_FILE": "latin1.toml"}, [], ["latin1.toml is not UTF-8", "line 2", "convert it"]),
+        (1, {"CONFIG_FILE": "bom.toml"}, [], ["bom.toml starts with a UTF-8 byte-order mark", "without BOM"]),
+        (2, {"CONFIG_FILE": "bom.toml"}, [], ["bom.toml starts with a UTF-8 byte-order mark", "without BOM"]),
+        (1, {}, ["--job.dump_folder", "a_file/run"], ["job.dump_folder = 'a_file/run'", "is a file", "--job.dump_folder"]),
+        (2, {}, ["--job.dump_folder", "a_file/run"], ["job.dump_folder = 'a_file/run'", "is a file", "--job.dump_folder"]),
+        ("two", {}, [], ["NGPU=two", "positive integer", "NGPU=2"]),
+        (2, {"LOG_RANK": "5"}, [], ["LOG_RANK=5", "0..1 with NGPU=2", "LOG_RANK=0"]),
+        (1, {"LOG_RANK": "0,x"}, [], ["LOG_RANK=0,x", "0..0 with NGPU=1"]),
+    ],
+)
+def test_launch_mistakes_fail_before_launch(tmp_path, ngpu, env, args, names):
+    launch_files(tmp_path)
+    proc, seconds = run_train(tmp_path, ngpu, *args, **env)
+    assert_refused(proc, seconds, 1, *names, prelaunch=True)
+    assert proc.stderr.startswith("config error: ")
+    assert not (tmp_path / "run").exists()
 
 
 def bad_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text("this is not json\n{{{\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "docs.jsonl").write_text('{"text": "a line of text"}\n' * 50)
     (tmp_path / "random.tiktoken").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
@@ -98,6 +122,12 @@ def bad_files(tmp_path):
     [
         (1, ["--training.dataset", "json", "--training.dataset_path", "bad.jsonl"], ["bad.jsonl", "json"]),
         (2, ["--training.dataset", "json", "--training.dataset_path", "bad.jsonl"], ["bad.jsonl", "json"]),
+        (1, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"], ["empty.jsonl is empty"]),
+        (2, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"], ["empty.jsonl is empty"]),
+        (1, ["--training.dataset", "parquet", "--training.dataset_path", "docs.jsonl"],
+         ["dataset_path docs.jsonl cannot be read as parquet", "--training.dataset json"]),
+        (2, ["--training.dataset", "parquet", "--training.dataset_path", "docs.jsonl"],
+         ["dataset_path docs.jsonl cannot be read as parquet", "--training.dataset json"]),
         (1, ["--training.dataset", "someone/no-such-dataset"], ["'someone/no-such-dataset'", "Offline"]),
         (1, ["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
         (2, ["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
@@ -115,3 +145,21 @@ def test_worker_side_mistakes_give_one_line_per_rank(tmp_path, ngpu, args, names
 def test_cuda_without_a_gpu(tmp_path):
     proc, seconds = run_train(tmp_path, 1, "--training.device", "cuda")
     assert_refused(proc, seconds, 1, "training.device = 'cuda'", "--training.device cpu", prelaunch=False)
+
+
+def test_resume_notes_changed_shapes_and_warns_of_a_checkpoint_without_metadata(tmp_path):
+    """Not mistakes to refuse, but worth a line: a resume that changes the sequence length or the
+    global batch (the docs ask to keep them), and a step-N folder that lost its .metadata."""
+    run = tmp_path / "run"
+    # One process saves steps 1 and 2 (in this process: the quickest way to a checkpoint).
+    saved = ["--config", str(REPO / "train_configs/debug_model.toml"), *SMALL, "--training.steps", "2",
+             "--job.dump_folder", str(run), "--checkpoint.enable", "--checkpoint.interval", "1"]
+    assert main(saved) == 0
+    (run / "checkpoint" / "step-2" / ".metadata").unlink()
+    # Two processes resume: the global batch doubles with the data-parallel degree, seq_len 32 -> 48.
+    proc, _ = run_train(tmp_path, 2, "--training.steps", "3", "--training.seq_len", "48", "--checkpoint.enable")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert f"skipping {run / 'checkpoint' / 'step-2'}: it has no .metadata" in out, out[-3000:]
+    assert f"resumed from {run / 'checkpoint' / 'step-1'} (step 1)" in out
+    assert "note: resumed with training.seq_len 32 -> 48, training.global_batch_size 2 -> 4" in out

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.run_folder import latest_run_folder
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,11 +30,12 @@ def test_run_train_with_compile(tmp_path):
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    run_dir = latest_run_folder(tmp_path / "run")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
     assert all(r["loss"] == r["loss"] and r["loss"] < 10.0 for r in train)  # finite, sane
     # Step 1 is ~9.5 (ln 8192 = 9.01 plus init noise); 20 steps at the debug LR reach ~7.6.
     assert train[-1]["loss"] < 0.9 * train[0]["loss"]
-    config = (tmp_path / "run" / "config.toml").read_text()
+    config = (run_dir / "config.toml").read_text()
     assert "compile = true" in config

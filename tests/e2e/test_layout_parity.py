@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from trainer.parallel.distributed import free_port
+from trainer.run_folder import latest_run_folder
 
 REPO = Path(__file__).resolve().parents[2]
 REL = 1e-5
@@ -75,7 +76,7 @@ def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (latest_run_folder(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records.setdefault(record["step"], {}).update(record)
     return records

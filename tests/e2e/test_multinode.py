@@ -15,6 +15,7 @@ import pytest
 
 from trainer.config import load_config
 from trainer.parallel.distributed import free_port
+from trainer.run_folder import latest_run_folder
 from trainer.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ def test_two_nodes_train_and_validate_like_one_process(tmp_path):
     # may be on either "node".
     header = "world size 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | ep 2, ep_as_cp"
     assert any(header in out for out in outs), [out[-3000:] for out in outs]
-    records, expected = _records(tmp_path / "run"), _records(tmp_path / "single")
+    records, expected = _records(latest_run_folder(tmp_path / "run")), _records(reference.run_dir)
     assert [r["step"] for r in records if "loss" in r] == [1, 2], records  # one writer: rank 0
     for key in ("loss", "val_loss"):
         got = {r["step"]: r[key] for r in records if key in r}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.run_folder import latest_run_folder
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,7 +26,7 @@ def run_train(tmp_path, *args, env=None, timeout=900):
 
 
 def read_metrics(tmp_path):
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lines = (latest_run_folder(tmp_path / "run") / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -43,10 +45,11 @@ def test_debug_model_learns_the_bundled_corpus(tmp_path):
     assert train_steps[-1]["step"] == 50
     for key in ("grad_norm", "lr", "tokens_per_sec", "tflops", "memory_gib", "moe_imbalance", "data_wait_pct"):
         assert key in train_steps[-1], key
-    log = (tmp_path / "run" / "train.log").read_text()
+    run_dir = latest_run_folder(tmp_path / "run")
+    log = (run_dir / "train.log").read_text()
     for needle in ("resolved config", "git revision", "torch", "device cpu", "params total", "FLOPs/token"):
         assert needle in log, needle
-    assert (tmp_path / "run" / "config.toml").exists()
+    assert (run_dir / "config.toml").exists()
 
 
 def test_config_typo_fails_before_any_work(tmp_path):

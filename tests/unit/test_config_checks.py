@@ -1,6 +1,7 @@
 """Config checks that need no torch: cross-section combinations, warnings, foreign option names,
 and the pre-launch check `python -m trainer.config.check` that run_train.sh runs."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.config.check import check_run_folder, main
+from trainer.config.check import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,17 +89,6 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
     assert load_config(["--engram.enable", "--engram.max_ngram", "4"]).warnings() == []
 
 
-def test_run_folder_with_an_earlier_run_is_refused(tmp_path):
-    cfg = load_config(["--job.dump_folder", str(tmp_path)])
-    check_run_folder(cfg)  # empty folder: fine
-    (tmp_path / "train.log").write_text("a run that failed before it started\n")
-    check_run_folder(cfg)
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\).*--checkpoint.enable"):
-        check_run_folder(cfg)
-    check_run_folder(load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
-
-
 @pytest.mark.parametrize(
     "world, argv, words",
     [
@@ -162,3 +152,26 @@ def test_prelaunch_check_runs_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr
+
+
+def test_config_files_must_be_utf8_without_bom(tmp_path):
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"bom.toml starts with a UTF-8 byte-order mark.*without BOM"):
+        load_config(["--config", str(bom)])
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[training]\nsteps = 3\n[job]\ndescription = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.toml is not UTF-8 text \(byte 0xe9 on line 4\)"):
+        load_config(["--config", str(latin)])
+
+
+def test_prelaunch_check_refuses_a_taken_port(capsys, tmp_path):
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["--world-size", "2", "--free-port", f"127.0.0.1:{port}", *run]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: MASTER_PORT={port} is in use on MASTER_ADDR=127.0.0.1") and "unset MASTER_PORT" in err
+    assert main(["--world-size", "2", f"--free-port=127.0.0.1:{port}", *run]) == 0  # released

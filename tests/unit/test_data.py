@@ -290,6 +290,16 @@ def test_clear_errors(tok, tmp_path):
     with pytest.raises(ValueError, match="fewer than seq_len"):
         next(loader(tok, tmp_path / "few.jsonl", seq_len=4096))
 
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty.jsonl is empty"):
+        loader(tok, tmp_path / "empty.jsonl")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"blank.jsonl cannot be read as json"):
+        loader(tok, tmp_path / "blank.jsonl")
+    wrong_format = r"few.jsonl cannot be read as parquet .*its name says json: pass --training.dataset json"
+    with pytest.raises(ValueError, match=wrong_format):
+        loader(tok, tmp_path / "few.jsonl", dataset="parquet")
+
     with pytest.raises(ValueError, match=r"could not load dataset 'someone/no-such-dataset'.*Offline.*dataset_path"):
         build_dataloader(tokenizer=tok, dataset="someone/no-such-dataset", dataset_path=None, seq_len=8, batch_size=1)
 

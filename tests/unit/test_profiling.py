@@ -34,13 +34,14 @@ def test_trace_and_step_breakdown_in_a_training_run(tmp_path):
     finally:
         trainer.close()
     # Exactly the chosen step is traced, as a Chrome trace holding the step's ops.
-    traces = list((tmp_path / "profile_traces").iterdir())
+    run_dir = trainer.run_dir
+    traces = list((run_dir / "profile_traces").iterdir())
     assert [p.name for p in traces] == ["rank0_steps2-2.json"]
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::mm" in e.get("name", "") or "aten::addmm" in e.get("name", "") for e in events)
     # On CPU the snapshot request is refused with the reason, not silently dropped.
-    assert "skipped on cpu" in (tmp_path / "train.log").read_text()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "skipped on cpu" in (run_dir / "train.log").read_text()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3
     for r in records:
         phases = [r[f"time/{k}_ms"] for k in ("data_wait", "forward_backward", "reduce_clip", "optimizer")]

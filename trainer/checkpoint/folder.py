@@ -105,6 +105,15 @@ def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
+def incomplete_checkpoints(folder: str | Path) -> list[Path]:
+    """`step-N` folders under `folder` that `list_checkpoints` passes over: no `COMPLETE` marker
+    or no DCP `.metadata` (a damaged or partly copied checkpoint; saves go through `.tmp`)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not is_complete(p))
+
+
 def read_marker(path: Path) -> dict:
     try:
         return json.loads((path / COMPLETE).read_text() or "{}")

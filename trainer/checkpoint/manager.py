@@ -7,7 +7,7 @@ the state dict a training checkpoint holds is this module's:
     optimizer      get_state_dict(optimizer): FQN-keyed, param groups too (flattened), so it
                    reshards like the model, across pipeline stages as well
     lr_scheduler   LambdaLR.state_dict()
-    train_state    {"step", "skipped_total"}
+    train_state    {"step", "skipped_total", "seq_len", "global_batch_size"}
     rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
                    layout) and RNG states (torch CPU/CUDA, python, numpy)
 
@@ -60,6 +60,7 @@ from trainer.checkpoint.folder import (
     checkpoint_shapes,
     dcp_load,
     export_state_dict,
+    incomplete_checkpoints,
     is_complete,
     list_checkpoints,
     load_hf_weights,
@@ -105,7 +106,7 @@ class CheckpointManager:
 
     Args:
         cfg: the `[checkpoint]` section.
-        run_dir: the run folder (`[job] dump_folder`); checkpoints go to `run_dir / cfg.folder`.
+        run_dir: the run folder (`[job] dump_folder` itself when resumable); checkpoints go to `run_dir / cfg.folder`.
         dataloader: anything with `state_dict()` / `load_state_dict()`.
         pipeline_share: ``model`` holds only this rank's pipeline stages.
         storage_writer_factory: makes the DCP storage writer for a folder; tests pass one that
@@ -287,6 +288,12 @@ class CheckpointManager:
                 return self._load_full(CheckpointInfo(path, cfg.load_step, read_marker(path).get("model_only", False)))
             except UnreadableCheckpoint as e:
                 raise CheckpointError(str(e)) from None
+        if self.rank == 0:
+            for path in incomplete_checkpoints(self.folder):
+                logger.warning(
+                    "skipping %s: it has no %s or no %s, so it is damaged or was copied in part; move it away "
+                    "(or restore the file) to silence this", path, DCP_METADATA, COMPLETE,
+                )
         candidates = list_checkpoints(self.folder)
         if not candidates:
             if self.folder.is_dir():

@@ -1,69 +1,79 @@
 """The pre-launch check: `python -m trainer.config.check --world-size N [options as for trainer.train]`.
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
-whose degrees do not fit NNODES x NGPU, a sequence the TP/CP splits do not divide, a run folder
-that already holds a run) fails in a second with one `config error: ...` line and exit code 2,
-instead of in every rank's traceback. The workers run the same checks again (`Layout.from_job`,
-`check_run_folder`). Torch-free.
+whose degrees do not fit NNODES x NGPU, a sequence the TP/CP splits do not divide, a dump folder
+that cannot be created, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
+second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
+The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`).
+Torch-free.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
-from pathlib import Path
 
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
+from trainer.run_folder import check_dump_folder
 
-USAGE = "usage: python -m trainer.config.check --world-size N [--section.key VALUE ...]"
-
-
-def check_run_folder(cfg) -> None:
-    """Refuse to start a fresh run in a folder that holds an earlier one: its train.log and
-    metrics would be appended to. With checkpoint.enable the folder is resumed instead.
-
-    Only files written after every rank has passed this check count (config.toml and the metrics
-    file are written by rank 0 once the model is built), so ranks of one job never refuse each other.
-    """
-    if cfg.checkpoint.enable:
-        return
-    run = Path(cfg.job.dump_folder).expanduser()
-    earlier = [name for name in ("config.toml", cfg.metrics.jsonl_file) if (run / name).exists()]
-    if earlier:
-        raise ConfigError(
-            f"job.dump_folder {run} already holds a run ({', '.join(earlier)}); a new run would append to its "
-            "logs. Pass another --job.dump_folder, delete the folder, or add --checkpoint.enable to resume that run."
-        )
+USAGE = "usage: python -m trainer.config.check --world-size N [--free-port ADDR:PORT] [--section.key VALUE ...]"
 
 
 def check_job(argv: list[str], world_size: int) -> None:
     cfg = load_config(argv)
     Layout.from_job(cfg, world_size)
-    check_run_folder(cfg)
+    check_dump_folder(cfg.job.dump_folder)
 
 
-def _split_world_size(argv: list[str]) -> tuple[int, list[str]]:
-    rest, world = [], None
+def check_free_port(address: str) -> None:
+    """A single-node run's rendezvous listens on MASTER_ADDR:MASTER_PORT: refuse a port that is
+    taken: torchrun would join whatever listens there and wait in silence for minutes."""
+    host, _, port = address.rpartition(":")
+    fix = "unset MASTER_PORT to let run_train.sh pick a free port, or set another one"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # As the rendezvous store does: a port left in TIME_WAIT by an earlier run is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"MASTER_PORT={port} is in use on MASTER_ADDR={host} (another job or program listens there); {fix}"
+                ) from None
+            raise ConfigError(
+                f"MASTER_ADDR={host} MASTER_PORT={port}: a single-node run cannot listen there ({e.strerror or e}); "
+                f"{fix}, and leave MASTER_ADDR unset (127.0.0.1) or give an address of this machine"
+            ) from None
+
+
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of `--name VALUE` / `--name=VALUE` in argv, and argv without it."""
+    rest, value = [], None
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token == "--world-size" and i + 1 < len(argv):
-            world, i = argv[i + 1], i + 2
-        elif token.startswith("--world-size="):
-            world, i = token.partition("=")[2], i + 1
+        if token == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif token.startswith(name + "="):
+            value, i = token.partition("=")[2], i + 1
         else:
             rest.append(token)
             i += 1
-    if world is None or not world.isdigit() or int(world) < 1:
-        raise SystemExit(f"{USAGE}\n--world-size must be a positive integer (NNODES x NGPU), got {world!r}")
-    return int(world), rest
+    return value, rest
 
 
 def main(argv: list[str] | None = None) -> int:
-    world_size, rest = _split_world_size(sys.argv[1:] if argv is None else list(argv))
+    world, rest = _take_option(sys.argv[1:] if argv is None else list(argv), "--world-size")
+    if world is None or not world.isdigit() or int(world) < 1:
+        raise SystemExit(f"{USAGE}\n--world-size must be a positive integer (NNODES x NGPU), got {world!r}")
+    free_port, rest = _take_option(rest, "--free-port")
     try:
-        check_job(rest, world_size)
+        if free_port is not None:
+            check_free_port(free_port)
+        check_job(rest, int(world))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import codecs
 import sys
 from typing import Any
 
@@ -142,11 +143,27 @@ def _unknown_option(typed: str, name: str, sections: dict[str, type]) -> str:
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            raw = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path} (given by --job.config_file/--config).") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}.") from None
+    # TOML is UTF-8 without a byte-order mark; tomllib would call a BOM an "invalid statement".
+    if raw.startswith(codecs.BOM_UTF8):
+        raise ConfigError(
+            f"config file {path} starts with a UTF-8 byte-order mark, which TOML does not allow; save it as "
+            "UTF-8 without BOM (e.g. \"UTF-8\", not \"UTF-8 with BOM\", in your editor)."
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {raw[e.start]:#04x} on line {line}); TOML files are "
+            "UTF-8: convert it (e.g. iconv -f latin1 -t utf-8) or retype that character."
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         # The decoder's message carries "(at line L, column C)".
         raise ConfigError(f"TOML syntax error in {path}: {e}") from None

@@ -38,7 +38,10 @@ from trainer.config.pipeline_layout import PP_SCHEDULES
 @dataclass
 class Job(Section):
     config_file: str | None = _field(None, "TOML config file to load (alias: --config)")
-    dump_folder: str = _field("./outputs", "Run folder: logs, metrics JSONL, checkpoints, saved config")
+    dump_folder: str = _field(
+        "./outputs", "Where runs write (log, metrics, config): a fresh run into a new timestamped folder under it, "
+        "a resumable run (checkpoint.enable) into it, with its checkpoints"
+    )
     description: str = _field("", "Free-text description of the run, recorded in the log")
     print_config: bool = _field(True, "Print the resolved config at start")
 

@@ -422,15 +422,15 @@ def _load_documents(
         return data, split, "shakespeare"
     if dataset in LOCAL_DATASET_NAMES:
         builder, files = _resolve_local_files(dataset, dataset_path)
+        empty = [f for f in files if Path(f).stat().st_size == 0]
+        if empty:
+            raise ValueError(f"dataset file {empty[0]} is empty: no documents to train on; fill it or point dataset_path "
+                             "at files that hold data")
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
             data = datasets.load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kwargs)
-        except datasets.exceptions.DatasetGenerationError as e:
-            cause = e.__cause__ or e
-            raise ValueError(
-                f"{dataset_path} cannot be read as {builder} ({type(cause).__name__}: {cause}); "
-                f"fix the file or pick its format with --training.dataset json/text/parquet"
-            ) from None
+        except Exception as e:  # whatever the builder meets in a file it cannot parse
+            raise ValueError(_unreadable_local(dataset_path, files, builder, e)) from None
         return data, split, f"{builder} dataset {dataset_path}"
     return _load_hub(dataset, dataset_path, split, streaming=True if streaming is None else streaming)
 
@@ -458,6 +458,19 @@ def _load_hub(
     if split == "validation" and own_validation is not None:
         return splits[own_validation], None, f"{display} [{own_validation}]"
     return splits["train"], None if own_validation else split, display
+
+
+def _unreadable_local(dataset_path: str, files: list[str], builder: str, error: Exception) -> str:
+    cause = (error.__cause__ or error) if isinstance(error, datasets.exceptions.DatasetGenerationError) else error
+    # HF's json builder meets a file without a single record as a bare StopIteration.
+    why = "it holds no records" if isinstance(cause, StopIteration) else f"{type(cause).__name__}: {cause}"
+    named = {_local_format(Path(f)) for f in files}
+    if len(named) == 1 and None not in named and named != {builder}:
+        (name_says,) = named
+        fix = f"its name says {name_says}: pass --training.dataset {name_says} (or auto)"
+    else:
+        fix = "fix the file or pick its format with --training.dataset json/text/parquet"
+    return f"dataset_path {dataset_path} cannot be read as {builder} ({why}); {fix}"
 
 
 def _local_format(path: Path) -> str | None:

@@ -6,6 +6,7 @@ The trainer uses only these entry points; the ``apply_*`` modules behind them ar
 from trainer.parallel.distributed import (
     destroy_distributed,
     exit_process,
+    from_rank0,
     init_distributed,
     is_rank0,
     local_rank_from_env,
@@ -22,6 +23,7 @@ __all__ = [
     "build_loss_function",
     "destroy_distributed",
     "exit_process",
+    "from_rank0",
     "init_distributed",
     "is_rank0",
     "local_rank_from_env",

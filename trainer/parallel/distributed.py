@@ -103,6 +103,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a picklable object; the identity without a process group)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_ranks_any(flag: bool) -> bool:
     """True when `flag` is true on any rank (a MAX all-reduce; the identity without a process group)."""
     if not is_distributed():

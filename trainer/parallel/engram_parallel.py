@@ -5,7 +5,7 @@ Sharding (FlagScale PR 1147's scheme). Each Engram table's rows are split contig
 `[r * rows_per_rank, min((r + 1) * rows_per_rank, num_rows))` (the last shard is shorter, and
 may be empty for tiny tables). A lookup of global row `i` goes to `owner = i // rows_per_rank`:
 
-    count ids per (owner, layer) (bincount)  -> all_to_all_single of the counts
+    distinct ids per (owner, layer) (unique, bincount) -> all_to_all_single of the counts
     all_to_all_single of the ids             -> owners gather their local rows
     all_to_all_single of the rows back       (autograd: its backward sends row grads to the owner)
 
@@ -146,19 +146,23 @@ class ShardedEngramLookup(EngramLookup):
         rows' all-to-all completes when a layer's rows are first read)."""
         world, n_layers = self.world, len(tables)
         device = ids[0].device
-        owners, locals_, keys = [], [], []
+        # Key of an id: (owner, layer, row in the owner's shard), as one int64 sorted in that order.
+        stride = max(math.ceil(table.num_rows / world) for table in tables)
+        keys = []
         for layer, (table, layer_ids) in enumerate(zip(tables, ids)):
             rows_per_rank = math.ceil(table.num_rows / world)
             flat = layer_ids.reshape(-1)
             owner = flat // rows_per_rank
-            owners.append(owner)
-            locals_.append(flat - owner * rows_per_rank)
-            keys.append(owner * n_layers + layer)
-        key = torch.cat(keys)
-        # Sender side: ids grouped by destination rank, then by layer.
-        order = torch.argsort(key, stable=True)
-        send_ids = torch.cat(locals_)[order]
-        send_counts = torch.bincount(key, minlength=world * n_layers)  # [W * L], (dest, layer)
+            keys.append((owner * n_layers + layer) * stride + flat - owner * rows_per_rank)
+        # Sender side: each distinct row is asked for once, grouped by destination rank, then by
+        # layer. This also sums a row's gradient over this rank's tokens before it is sent (the
+        # backward of `_PendingRows`' index_select), in token order as the local lookup does, so
+        # the owner adds one partial sum per rank: on two ranks the gradients are bit for bit
+        # those of whole tables (docs/engram.md, "Parity with one process"). On CUDA `unique`
+        # waits for the device, next to the split sizes' read below.
+        unique, sender_pos = torch.unique(torch.cat(keys), return_inverse=True)
+        send_ids = unique % stride
+        send_counts = torch.bincount(unique // stride, minlength=world * n_layers)  # [W * L], (dest, layer)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # -> [W * L], (src, layer)
         # One host sync for all split sizes.
@@ -180,8 +184,8 @@ class ShardedEngramLookup(EngramLookup):
         pending: list = []
         back = _AllToAll.apply(rows, input_splits, output_splits, self.group, pending)  # sender order
         shapes = [torch.Size((*layer_ids.shape, table.weight.shape[1])) for table, layer_ids in zip(tables, ids)]
-        # _inverse(order)[j]: where the j-th id of `torch.cat(ids)` sits in the sender order.
-        return _PendingRows(back, _inverse(order), shapes, pending)
+        # sender_pos[j]: the row of `back` that answers the j-th id of `torch.cat(ids)`.
+        return _PendingRows(back, sender_pos, shapes, pending)
 
 
 class _LazyRows(Sequence):

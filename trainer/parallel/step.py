@@ -97,7 +97,6 @@ class ParallelStep:
         # Row-sharded Engram tables: each rank's rows count once in the gradient norm.
         lookup = sharded_lookup(model)
         self.table_group = lookup.group if lookup is not None else None
-        self.engram_tables = engram_table_params(model) if self.table_group is not None else []
 
     @property
     def loss_degree(self) -> int:
@@ -195,9 +194,10 @@ class ParallelStep:
         if self.dims.tp_enabled:
             replicate_partial_grads(params)
         reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
-        return clip_grad_norm_(
-            params, max_norm if max_norm > 0 else math.inf, self.engram_tables, self.table_group, self.pp
-        )
+        # The tables are looked up here, not when this step was built: materializing the meta
+        # model (to_empty) replaces its parameter objects.
+        tables = engram_table_params(self.model) if self.table_group is not None else ()
+        return clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, tables, self.table_group, self.pp)
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over every rank that saw different tokens (the "loss" mesh: data and
