@@ -126,7 +126,8 @@ class Trainer:
         # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
         flavor = resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
-        self.parallel_dims.check_stages(flavor.n_layers, flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth)
+        mtp_depth = flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
+        self.parallel_dims.check_stages(flavor.n_layers, mtp_depth)
 
         self.device = select_device(t.device, local_rank_from_env())
         init_distributed(self.device)

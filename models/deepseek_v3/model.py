@@ -226,7 +226,8 @@ class DeepSeekV3Model(nn.Module):
             )
         if engram_ids.shape[2] != len(tables):
             raise ValueError(
-                f"engram_ids has {engram_ids.shape[2]} layer slots, these blocks have {len(tables)} Engram layers {layer_ids}"
+                f"engram_ids has {engram_ids.shape[2]} layer slots, these blocks have {len(tables)} Engram "
+                f"layers {layer_ids}"
             )
         return self.engram_lookup(tables, engram_ids)
 

@@ -191,6 +191,7 @@ class PipelineStep(ParallelStep):
             loss_sum = self.value(cross_entropy_sum(logits, target))
             self._totals.append(torch.stack([loss_sum.double(), count_valid(target).double()]))
             return loss_sum
+        # The objective reads only the micro-batch's labels (the schedule holds its inputs).
         objective, loss, mtp = self._objective(ModelOutput(logits, mtp_logits, aux), MicroBatch(target, target))
         self._totals.append(torch.stack([self.value(loss.detach()), self.value(mtp.detach())]))
         return objective
@@ -209,6 +210,7 @@ class PipelineStep(ParallelStep):
         return totals
 
     def forward_backward(self, micro, objective, autocast):
+        """One schedule run per micro-batch; the objective is computed by `_stage_loss`."""
         self._objective = lambda out, mb: objective(out, mb, self.aux_scale(len(micro)))
         totals = torch.zeros(2, device=micro[0].labels.device)
         for mb in micro:
@@ -221,6 +223,7 @@ class PipelineStep(ParallelStep):
         return 1.0 / (n_micro * self.dims.pp_microbatches * self.loss_degree)
 
     def eval_loss_sum(self, inputs, labels, autocast):
+        """The last stage's sums (zeros elsewhere: `step_sum` adds the pipeline up)."""
         mb = self.prepare_batch(inputs, labels)
         with autocast(), self.loss_context():
             totals = self._run(mb, train=False)
@@ -278,7 +281,9 @@ def _forward_only(schedule, n_microbatches: int) -> None:
     )
 
 
-def activation_meta(cfg, dims: ParallelDims, dim: int, param_dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
+def activation_meta(
+    cfg, dims: ParallelDims, dim: int, param_dtype: torch.dtype | None
+) -> tuple[tuple[int, ...], torch.dtype]:
     """Shape and dtype of the residual stream between stages: one pipeline micro-batch's rows,
     the sequence as this rank holds it (split by context and, sequence-parallel, by tensor
     parallelism), in the dtype the blocks compute in (FSDP's param dtype, else fp32)."""
