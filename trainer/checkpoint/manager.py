@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import logging
 import random
+import re
 import shutil
 import time
 import warnings
@@ -76,6 +77,7 @@ logger = logging.getLogger("trainer")
 # Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other
 # parameters than another rank's, so index-keyed groups would collide in the checkpoint.
 OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+INDEXED_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.")
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -156,8 +158,8 @@ class CheckpointManager:
     def _rank_key(self) -> str:
         return f"rank_state_{self.rank}"
 
-    def _full_state(self, train_state: dict) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_BY_NAME)
+    def _full_state(self, train_state: dict, options: StateDictOptions = OPTIM_BY_NAME) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -325,7 +327,10 @@ class CheckpointManager:
         shapes = checkpoint_shapes(info.path)
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
-        state = self._full_state(saved_train_state)
+        # Checkpoints written before param groups were keyed by name hold them by group index.
+        by_index = any(INDEXED_GROUP.match(k) for k in shapes)
+        options = StateDictOptions() if by_index else OPTIM_BY_NAME
+        state = self._full_state(saved_train_state, options)
         check_model_fits(info.path, state["model"], shapes, whole=not self.pipeline_share)
         rank_key = self._rank_key()
         own = state.pop(rank_key)
@@ -345,7 +350,7 @@ class CheckpointManager:
             raise UnreadableCheckpoint(short_error(e)) from None
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-            options=OPTIM_BY_NAME,
+            options=options,
         )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
