@@ -161,23 +161,21 @@ class Layout:
         """The gradient-accumulation steps of one optimizer step (global_batch_size -1 = one
         micro-batch per data-parallel rank). Under pp each accumulation micro-batch is one
         schedule run that cuts its rows into ``pp_microbatches``, which must divide them."""
-        per_step = local_batch_size * self.dp_degree
-        accum = 1
-        if global_batch_size != -1:
-            if global_batch_size % per_step:
-                raise LayoutError(
-                    f"training.global_batch_size = {global_batch_size} is not a multiple of local_batch_size x "
-                    f"data-parallel degree = {local_batch_size} x {self.dp_degree}; pick a multiple of {per_step}"
-                )
-            accum = global_batch_size // per_step
-        rows = local_batch_size
-        if self.pp_enabled and rows % self.pp_microbatches:
+        if self.pp_enabled and local_batch_size % self.pp_microbatches:
             raise LayoutError(
-                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide training.local_batch_size = {rows} "
-                f"(each local batch is one pipeline run); pick pp_microbatches in "
-                f"{[d for d in _divisors(rows) if d >= self.pp] or 'none: raise local_batch_size'}"
+                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide training.local_batch_size = "
+                f"{local_batch_size} (each local batch is one pipeline run); pick pp_microbatches in "
+                f"{[d for d in _divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
             )
-        return accum
+        per_step = local_batch_size * self.dp_degree
+        if global_batch_size == -1:
+            return 1
+        if global_batch_size % per_step:
+            raise LayoutError(
+                f"training.global_batch_size = {global_batch_size} is not a multiple of local_batch_size x "
+                f"data-parallel degree = {local_batch_size} x {self.dp_degree}; pick a multiple of {per_step}"
+            )
+        return global_batch_size // per_step
 
     def check_shapes(
         self,
