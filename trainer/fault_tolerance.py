@@ -1,5 +1,6 @@
 """Stopping a run cleanly: SIGTERM/SIGINT and a wall-clock limit ask the loop to save and exit at
-the next step boundary, and a guard skips optimizer steps whose loss or gradient norm is not finite.
+the next step boundary, a guard skips optimizer steps whose loss or gradient norm is not finite,
+and a state holding NaN or inf is never saved over the good checkpoints.
 
 Both decisions must be the same on every rank (a rank that stops or skips alone deadlocks the
 others in their next collective). A stop request is local (a signal, a clock), so `StopRequest`
@@ -13,9 +14,11 @@ import logging
 import math
 import signal
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
-from trainer.parallel.distributed import all_ranks_any
+import torch
+
+from trainer.parallel.distributed import all_ranks_any, local_tensor
 
 logger = logging.getLogger("trainer")
 
@@ -72,7 +75,33 @@ class StopRequest:
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many consecutive non-finite steps; the run stops without saving."""
+    """Too many consecutive non-finite steps, or non-finite weights or optimizer state; the run
+    stops without saving (exit code 3)."""
+
+
+def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(state, torch.Tensor):
+        yield prefix.rstrip("."), state
+
+
+def nonfinite_entries(state: dict) -> list[str]:
+    """The keys (dotted paths) of the floating-point tensors in the nested `state` that hold a NaN
+    or inf in this rank's part. One host read for the whole state."""
+    names, extrema = [], []
+    for name, t in _tensors(state):
+        t = local_tensor(t)
+        if t.is_floating_point() and t.numel():
+            names.append(name)
+            # min and max, not isfinite(t).all(): no temporary the size of the tensor, and a NaN
+            # anywhere makes both NaN, an inf makes one of them infinite.
+            extrema.append(torch.stack(torch.aminmax(t)).float())
+    if not names:
+        return []
+    finite = torch.isfinite(torch.stack(extrema)).all(dim=1).tolist()
+    return [name for name, ok in zip(names, finite) if not ok]
 
 
 class NonFiniteGuard:

@@ -1,4 +1,5 @@
-"""Per-step metrics: console line, JSONL file in the run folder, and wandb.
+"""Per-step metrics: console line (with step time and ETA), JSONL file in the run folder, wandb
+and TensorBoard.
 
 MFU convention (stated wherever MFU is printed): model FLOPs per token come from
 ``models.deepseek_v3.flops_per_token`` = 6 x active non-embedding parameters + the
@@ -9,6 +10,7 @@ divided by the device's dense bf16 peak (or ``[metrics] peak_flops``).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -20,6 +22,8 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger("trainer")
+
+TENSORBOARD_FOLDER = "tb"  # inside the run folder
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), matched by
 # substring of torch.cuda.get_device_name(); first match wins, so longer names go first.
@@ -84,10 +88,15 @@ _LINE_FIELDS = (
 
 
 class MetricsLogger:
-    """Writes one record per logged step to the console, the JSONL file and wandb.
+    """Writes one record per logged step to the console, the JSONL file, wandb and TensorBoard.
 
     Only the rank chosen for logging writes; the others hold a disabled logger so
     call sites need no rank checks.
+
+    The ETA on the console line is the wall-clock time per step since the first logged training
+    step of this process, times the steps left: it includes validation and checkpoint saves, and
+    leaves out the first step (compilation, warm-up). Until there is a second logged step it is
+    the record's `step_time_s` times the steps left.
     """
 
     def __init__(self, metrics_cfg, run_dir: Path, job_config_dict: dict, total_steps: int, enabled: bool = True):
@@ -96,7 +105,9 @@ class MetricsLogger:
         self.enabled = enabled
         self._jsonl = None
         self._wandb_run = None
+        self._tensorboard = None
         self._start = time.perf_counter()
+        self._first_step: tuple[int, float] | None = None  # (step, clock) of the first logged step
         if not enabled:
             return
         self._jsonl = open(run_dir / metrics_cfg.jsonl_file, "a", encoding="utf-8")
@@ -109,22 +120,45 @@ class MetricsLogger:
                 mode=metrics_cfg.wandb_mode,
                 config=job_config_dict,
             )
+        if metrics_cfg.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imports the optional tensorboard package
+
+            self._tensorboard = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_FOLDER))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {k: v for k, v in record.items() if v is not None}
-        record["elapsed_s"] = round(time.perf_counter() - self._start, 3)
+        now = time.perf_counter()
+        record["elapsed_s"] = round(now - self._start, 3)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        step = record["step"]
         if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        logger.info(self.format_line(record))
+            self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, step)
+        logger.info(self.format_line(record, self._eta_s(step, record.get("step_time_s"), now)))
 
-    def format_line(self, r: dict) -> str:
+    def _eta_s(self, step: int, step_time_s: float | None, now: float) -> float | None:
+        if step < 1 or step_time_s is None:
+            return None  # the validation before the first step
+        if self._first_step is None:
+            self._first_step = (step, now)
+        first, since = self._first_step
+        per_step = (now - since) / (step - first) if step > first else step_time_s
+        return per_step * (self.total_steps - step)
+
+    def format_line(self, r: dict, eta_s: float | None = None) -> str:
         step = r["step"]
         width = len(str(self.total_steps))
         parts = [f"step {step:>{width}}/{self.total_steps} [{100 * step / self.total_steps:5.1f}%]"]
+        if "step_time_s" in r:
+            parts.append(f"{r['step_time_s']:.2f}s/step")
+        if eta_s is not None:
+            parts.append(f"eta {datetime.timedelta(seconds=round(eta_s))}")
         parts += [fmt.format(r[key]) for key, fmt in _LINE_FIELDS if key in r]
         if "time/forward_backward_ms" in r:  # [profiling] step_breakdown
             labels = (("data_wait", "data"), ("forward_backward", "fwd+bwd"), ("reduce_clip", "clip"), ("optimizer", "opt"))
@@ -138,6 +172,9 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def throughput_record(

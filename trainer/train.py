@@ -401,6 +401,10 @@ class Trainer:
         # A stop that came while the run was built: nothing was trained, nothing to save.
         stop_reason = stop.reason()
         self.train_iter = iter(self.train_loader)
+        if t.compile and stop_reason is None:
+            # Compilation is lazy: the first step (and the first validation) trace and compile
+            # every block, minutes of silence on a CPU without this line.
+            logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0 and stop_reason is None:
             self.metrics.log({"step": 0, "val_loss": self.validate()})
         logger.info("training for %d steps", t.steps)
@@ -447,6 +451,7 @@ class Trainer:
                         peak_flops=self.peak_flops,
                     )
                 )
+                record["step_time_s"] = window_time / window_steps
                 record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
                 record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
                 record.update(self.breakdown.window_record())
@@ -517,6 +522,13 @@ def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
         destroy_distributed()
         print("interrupted while starting; nothing was trained", file=sys.stderr)
         return 130
+    return run(trainer, stop)
+
+
+def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
+    """Trains a built Trainer (until `stop`, see `Trainer.train`) and closes it; returns the
+    process exit code (0 done or stopped, 2 a setting only the run could find wrong, 3 diverged,
+    130 interrupted)."""
     try:
         trainer.train(stop)
     except ConfigError as e:

@@ -52,10 +52,9 @@ def test_spawn_local_returns_every_rank_result():
 
 @pytest.mark.parametrize("error, code", [(SystemExit(3), 3), (ValueError("bad shard"), 1)])
 def test_spawn_local_fails_fast_when_a_rank_dies(error, code):
-    start = time.monotonic()
+    # Rank 0 never puts a result: waiting out the timeout would raise TimeoutError, not this.
     with pytest.raises(RuntimeError, match=rf"rank: exit code\): \{{1: {code}\}}"):
         spawn_local(_rank1_dies, 2, error, timeout=300)
-    assert time.monotonic() - start < 120
 
 
 def test_exit_process_destroys_groups_runs_atexit_flushes_and_keeps_the_code(tmp_path):

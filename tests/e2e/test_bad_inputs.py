@@ -21,8 +21,6 @@ from trainer.train import main
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-# On an otherwise idle machine; other work on the same cores stretches it by the load per core.
-TIME_LIMIT_S = 15
 SMALL = [
     "--training.steps", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
     "--no-validation.enable", "--lr_scheduler.warmup_steps", "0", "--no-job.print_config",
@@ -43,11 +41,11 @@ def run_train(tmp_path, ngpu, *args, **env):
 
 
 def assert_refused(proc, seconds, ngpu, *names, prelaunch):
-    out = proc.stdout + proc.stderr
+    # `seconds` only goes into a failure's message: no test asserts a duration (a busy machine
+    # stretches any); a refusal before launch shows in the run folder that was not created.
+    out = proc.stdout + proc.stderr + f"\n(exit {proc.returncode} after {seconds:.1f} s)"
     assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
-    busy = max(1.0, os.getloadavg()[0] / os.cpu_count())
-    assert seconds < TIME_LIMIT_S * busy, f"took {seconds:.1f} s (load per core {busy:.1f})"
     # The message lines: the one of the pre-launch check or of a single process, or run_train.sh's
     # "[rankN] ..." per failing worker (the workers' live output is prefixed "[rankN]:").
     messages = [line for line in proc.stderr.splitlines() if re.match(r"(config )?error: |\[rank\d+\] ", line)]

@@ -39,3 +39,5 @@ def test_run_train_with_compile(tmp_path):
     assert train[-1]["loss"] < 0.9 * train[0]["loss"]
     config = (run_dir / "config.toml").read_text()
     assert "compile = true" in config
+    # The first step compiles for a while: the log says so before it.
+    assert "compiling ..." in proc.stdout and proc.stdout.index("compiling ...") < proc.stdout.index("step  1/20")

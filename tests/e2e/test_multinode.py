@@ -56,8 +56,8 @@ def test_two_nodes_train_and_validate_like_one_process(tmp_path):
     ]
     layout = [
         "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp", "--parallelism.tp", "2",
-        # per-op SAC around blocks whose routed experts are their own FSDP unit (their hooks
-        # run inside the recomputed region)
+        # per-op SAC around MoE blocks (on torch < 2.13 their routed experts are their own FSDP
+        # unit, whose hooks run inside the recomputed region)
         "--activation_checkpoint.mode", "op",
     ]
     procs = [_launch(tmp_path, rank, port, 2, 2, *args, *layout) for rank in (0, 1)]

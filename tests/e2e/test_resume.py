@@ -7,6 +7,10 @@
   skip counter and LR schedule survive the resume.
 - SIGTERM: run_train.sh exits 0 with a checkpoint at its last step.
 - too many non-finite steps: the run stops with exit code 3 and saves nothing broken.
+- damaged checkpoint: the newest checkpoint's shard gets 4 KiB of flipped bytes (same size); the
+  rerun reports it by name, resumes from the one before, and repeats the uninterrupted run's
+  losses bit for bit. Then a weight turned inf after an optimizer step: the next save is refused,
+  exit code 3, and the newest good checkpoint stays (keep_latest_k = 1 would have pruned it).
 """
 
 import json
@@ -21,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from tests.unit.test_checkpoint import flip_bytes
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
-from trainer.train import Trainer, main
+from trainer.train import Trainer, main, run
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10  # checkpoints at STEPS / 2 and STEPS: 10 straight vs 5, kill, resume, 5 more
@@ -144,3 +149,47 @@ def test_repeated_nan_stops_without_checkpoint(tmp_path):
     assert rc == 3
     assert [c.step for c in list_checkpoints(run_dir / "checkpoint")] == [1]
     assert "1 consecutive steps with a non-finite loss" in (run_dir / "train.log").read_text()
+
+
+def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path):
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoint"
+    ckpt = ["--job.dump_folder", str(run_dir), "--checkpoint.enable", "--checkpoint.interval", str(STEPS // 2),
+            "--checkpoint.keep_latest_k", "0"]
+    assert main([*BASE, *ckpt]) == 0
+    straight = losses(run_dir)
+    assert sorted(straight) == list(range(1, STEPS + 1))
+    shard = next((folder / f"step-{STEPS}").glob("*.distcp"))
+    size = shard.stat().st_size
+    flip_bytes(shard)
+    assert shard.stat().st_size == size
+
+    records_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert main([*BASE, *ckpt]) == 0
+    log = (run_dir / "train.log").read_text()
+    assert (f"checkpoint step-{STEPS} is corrupt or partial ({shard} differs from the SHA-256 recorded "
+            f"when it was saved (damaged)); falling back to step-{STEPS // 2}") in log
+    assert f"resumed from {folder / f'step-{STEPS // 2}'}" in log
+    rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[records_before:]]
+    assert [r["step"] for r in rerun] == list(range(STEPS // 2 + 1, STEPS + 1))
+    for r in rerun:
+        assert r["loss"] == straight[r["step"]], r["step"]
+
+    newest = folder / f"step-{STEPS}"
+    marker = (newest / COMPLETE).read_text()
+    trainer = Trainer(load_config([*BASE, *ckpt, "--training.steps", str(STEPS + 2), "--checkpoint.interval", "1",
+                                   "--checkpoint.keep_latest_k", "1"]))
+    assert trainer.step == STEPS
+
+    def blow_up(optimizer, args, kwargs):
+        with torch.no_grad():
+            trainer.model.embed.weight[3, 5] = math.inf
+
+    trainer.optimizer.register_step_post_hook(blow_up)
+    assert run(trainer) == 3
+    log = (run_dir / "train.log").read_text()
+    assert f"step {STEPS + 1}: NaN or inf in" in log and "model.embed.weight" in log
+    assert f"no checkpoint saved (the newest good one, {newest}, is kept)" in log
+    assert [c.step for c in list_checkpoints(folder)] == [STEPS, STEPS // 2]
+    assert (newest / COMPLETE).read_text() == marker
+    assert not list(folder.glob(f"step-{STEPS + 1}*"))

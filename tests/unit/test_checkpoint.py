@@ -1,6 +1,8 @@
 """CheckpointManager on a tiny model: atomic layout, pruning, async save, corrupt-checkpoint
-fallback, clear errors for a missing or mismatching checkpoint; the stop request; the NaN guard."""
+fallback, checksums, clear errors for a missing or mismatching checkpoint, no save of a non-finite
+state; the stop request; the NaN guard."""
 
+import json
 import logging
 import math
 import shutil
@@ -194,6 +196,75 @@ def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch
     assert not (folder / "step-4.tmp").exists()
     for key, value in reference.items():
         assert torch.equal(value, b.model.state_dict()[key]), key
+
+
+def flip_bytes(path, count=4096):
+    """Inverts `count` bytes in the middle of `path`; its size stays the same."""
+    data = bytearray(path.read_bytes())
+    middle = (len(data) - count) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    a = build(tmp_path, async_mode="async")  # the digests are taken in the background write
+    train_step(a, 1)
+    a.mgr.maybe_save(1, {"step": 1})
+    reference = {k: v.clone() for k, v in a.model.state_dict().items()}
+    train_step(a, 2)
+    a.mgr.maybe_save(2, {"step": 2})
+    a.mgr.close()
+    folder = tmp_path / "checkpoint"
+    newest = folder / "step-2"
+    recorded = json.loads((newest / COMPLETE).read_text())["files"]
+    assert sorted(recorded) == sorted(p.name for p in newest.iterdir() if p.name != COMPLETE)
+    assert ".metadata" in recorded and "model_args.json" in recorded
+    shard = next(newest.glob("*.distcp"))
+    size = shard.stat().st_size
+    flip_bytes(shard)
+    assert shard.stat().st_size == size == recorded[shard.name]["bytes"]
+
+    b = build(tmp_path)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert b.mgr.load()["step"] == 1
+    assert f"step-2 is corrupt or partial ({shard} differs from the SHA-256" in caplog.text
+    assert "falling back to step-1" in caplog.text
+    for key, value in reference.items():
+        assert torch.equal(value, b.model.state_dict()[key]), key
+
+    for load in (build(tmp_path, load_step=2).mgr.load, lambda: read_model_state_dict(newest)):
+        with pytest.raises(CheckpointError, match=rf"^{shard} differs from the SHA-256 recorded"):
+            load()
+
+    # A checkpoint of an earlier version, without checksums, still loads.
+    marker = json.loads((folder / "step-1" / COMPLETE).read_text())
+    del marker["files"]
+    (folder / "step-1" / COMPLETE).write_text(json.dumps(marker))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert build(tmp_path, load_step=1).mgr.load()["step"] == 1
+    assert "records no checksums" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["weight", "optimizer state"])
+def test_nonfinite_state_is_never_saved(tmp_path, where):
+    a = build(tmp_path, keep_latest_k=1)
+    train_step(a, 1)
+    a.mgr.maybe_save(1, {"step": 1})
+    good = tmp_path / "checkpoint" / "step-1"
+    marker = (good / COMPLETE).read_text()
+    train_step(a, 2)
+    with torch.no_grad():
+        if where == "weight":
+            a.model.layers["1"].attn.wkv_b.weight[0, 0] = math.nan
+        else:
+            a.opt.state[a.model.embed.weight]["exp_avg_sq"][3, 1] = math.inf
+    with pytest.raises(TrainingDiverged, match=f"no checkpoint saved \\(the newest good one, {good}, is kept\\)"):
+        a.mgr.maybe_save(2, {"step": 2})
+    assert [c.step for c in list_checkpoints(tmp_path / "checkpoint")] == [1]  # not pruned by keep_latest_k
+    assert (good / COMPLETE).read_text() == marker
+    assert not list((tmp_path / "checkpoint").glob("step-2*"))
 
 
 def test_clear_errors(tmp_path):

@@ -2,10 +2,11 @@
 
 One checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N` holding DCP's shard files
 and `.metadata`, our `model_args.json` and, written last, the `COMPLETE` marker (a JSON object:
-`step`, `model_only`, `world_size`, ...). A folder without the marker, or a `step-N.tmp` folder,
-is an unfinished save. What the state dict inside holds is `trainer.checkpoint.manager`'s business;
-this module reads and writes the folder and the `model.*` entries that model-only exports,
-`initial_load_path` and `scripts/convert_hf.py` share.
+`step`, `model_only`, `world_size`, ..., and `files`: each file's size and SHA-256, checked before
+every load; `trainer.checkpoint.integrity`). A folder without the marker, or a `step-N.tmp`
+folder, is an unfinished save. What the state dict inside holds is `trainer.checkpoint.manager`'s
+business; this module reads and writes the folder and the `model.*` entries that model-only
+exports, `initial_load_path` and `scripts/convert_hf.py` share.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import re
 import shutil
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from models.deepseek_v3.hf_io import CONFIG_FILE, read_hf_config, read_hf_state_dict, rope_mismatches
+from trainer.checkpoint.integrity import ChecksumWriter, checksum_problems, record_checksums
 from trainer.parallel.distributed import is_distributed
 
 logger = logging.getLogger("trainer")
@@ -39,6 +42,7 @@ logger = logging.getLogger("trainer")
 COMPLETE = "COMPLETE"
 MODEL_ARGS = "model_args.json"
 DCP_METADATA = ".metadata"
+FILES = "files"  # the marker's record of every file's size and SHA-256
 _STEP_DIR = re.compile(r"step-(\d+)")
 RANK_STATE = re.compile(r"rank_state_(\d+)\.")
 TMP_SUFFIX = ".tmp"
@@ -78,8 +82,9 @@ def dcp_load(state: dict[str, Any], path: Path) -> None:
 
 def seal(tmp: Path, final: Path, model_args: DeepSeekV3ModelArgs, marker: dict) -> None:
     """Finish a written checkpoint folder: add `model_args.json`, then the `COMPLETE` marker,
-    then rename `tmp` to `final` (replacing an older folder of that name)."""
+    with every file's checksum, then rename `tmp` to `final` (replacing an older folder of that name)."""
     (tmp / MODEL_ARGS).write_text(json.dumps(dataclasses.asdict(model_args), indent=1))
+    marker = {**marker, FILES: record_checksums(tmp)}
     # Written last: its presence is the promise that everything else is on disk.
     (tmp / COMPLETE).write_text(json.dumps(marker))
     if final.exists():
@@ -171,6 +176,29 @@ class UnreadableCheckpoint(Exception):
     """A checkpoint whose files are damaged (as opposed to one that does not fit the model)."""
 
 
+def verify_checkpoint(path: Path) -> None:
+    """Raise UnreadableCheckpoint naming every file of `path` whose size or SHA-256 differs from
+    its `COMPLETE` marker's record (every rank calls it: the ranks share the hashing)."""
+    files = read_marker(path).get(FILES)
+    if files is None:
+        logger.info("%s records no checksums (not saved by this version): its files are not verified", path)
+        return
+    start = time.perf_counter()
+    problems = checksum_problems(path, files)
+    if problems:
+        raise UnreadableCheckpoint("; ".join(problems))
+    logger.info("%s: %d files (%.1f MiB) match their checksums, checked in %.2fs", path, len(files),
+                sum(f["bytes"] for f in files.values()) / 2**20, time.perf_counter() - start)
+
+
+def verify_or_refuse(path: Path) -> None:
+    """`verify_checkpoint` for a load that has no older checkpoint to fall back to."""
+    try:
+        verify_checkpoint(path)
+    except UnreadableCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _listing(keys: list[str], limit: int = 8) -> str:
     return f"({len(keys)}): {', '.join(keys[:limit])}{' ...' if len(keys) > limit else ''}"
 
@@ -218,6 +246,7 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, whole: bool = T
     checkpoint path used."""
     path = resolve_checkpoint_path(path)
     model_sd = get_model_state_dict(model)
+    verify_or_refuse(path)
     try:
         shapes = checkpoint_shapes(path)
     except UnreadableCheckpoint as e:
@@ -257,7 +286,7 @@ def save_model_checkpoint(
     tmp = final.with_name(final.name + TMP_SUFFIX)
     shutil.rmtree(tmp, ignore_errors=True)
     with quiet_single_process():
-        dcp.save({"model": model_sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not is_distributed())
+        dcp.save({"model": model_sd}, storage_writer=ChecksumWriter(str(tmp)), no_dist=not is_distributed())
     seal(tmp, final, model_args, {"step": step, "model_only": True})
     return final
 
@@ -266,6 +295,7 @@ def read_model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The `model.*` tensors of a DCP checkpoint as plain CPU tensors in their saved dtypes,
     without building a model (for conversion)."""
     path = resolve_checkpoint_path(path)
+    verify_or_refuse(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)

@@ -21,6 +21,11 @@ at any moment leaves either a complete `step-N` or a `.tmp` folder that resume i
 deletes). Async mode (`dcp.async_save`) stages the state to CPU memory, returns, and writes in a
 background thread while training continues; the rename happens at the first step boundary after
 the write finished, and the run waits for it before the next save and before exiting.
+
+Integrity: the `COMPLETE` marker records every file's size and SHA-256 (`integrity`), and a load
+checks them first; a damaged newest checkpoint is reported by name and the next older complete
+one is loaded instead. A state with NaN or inf in its weights or optimizer state is never saved:
+the save raises `TrainingDiverged` (exit code 3) and leaves the complete checkpoints as they are.
 """
 
 from __future__ import annotations
@@ -70,8 +75,11 @@ from trainer.checkpoint.folder import (
     read_marker,
     seal,
     short_error,
+    verify_checkpoint,
 )
-from trainer.parallel.distributed import barrier, global_rank, global_world_size, is_distributed
+from trainer.checkpoint.integrity import ChecksumWriter
+from trainer.fault_tolerance import TrainingDiverged, nonfinite_entries
+from trainer.parallel.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 
 logger = logging.getLogger("trainer")
 # Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other
@@ -139,7 +147,7 @@ class CheckpointManager:
         self.device = device
         self.pipeline_share = pipeline_share
         self.rank = global_rank()
-        self.storage_writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(str(path)))
+        self.storage_writer_factory = storage_writer_factory or (lambda path: ChecksumWriter(str(path)))
         self._pending: _PendingSave | None = None
         self._last_saved_step = -1
         self._async_pg = None
@@ -187,6 +195,7 @@ class CheckpointManager:
             state = {"model": export_state_dict(get_model_state_dict(self.model), dtype)}
         else:
             state = self._full_state(train_state)
+        self._refuse_nonfinite(step, state)
         final = self.folder / f"step-{step}"
         tmp = final.with_name(final.name + TMP_SUFFIX)
         if self.rank == 0:
@@ -221,6 +230,22 @@ class CheckpointManager:
             logger.info("checkpoint step %d saved to %s in %.2fs%s", step, final, time.perf_counter() - start,
                         f" (model only, {self.cfg.export_dtype})" if model_only else "")
         self._last_saved_step = step
+
+    def _refuse_nonfinite(self, step: int, state: dict) -> None:
+        """Raise TrainingDiverged (on every rank) when any rank's part of the weights or optimizer
+        state holds NaN or inf: such a save would become the checkpoint a rerun resumes from."""
+        bad = nonfinite_entries({"model": state["model"], "optimizer": state.get("optimizer", {})})
+        if bad:
+            logger.warning("step %d: NaN or inf in %d saved tensors on rank %d: %s%s", step, len(bad), self.rank,
+                           ", ".join(bad[:6]), " ..." if len(bad) > 6 else "")
+        if not all_ranks_any(bool(bad)):
+            return
+        good = list_checkpoints(self.folder)
+        raise TrainingDiverged(
+            f"step {step}: the model weights or optimizer state hold NaN or inf; no checkpoint saved "
+            f"({f'the newest good one, {good[0].path}, is kept' if good else 'none was saved before'}). "
+            "Resume from the last good checkpoint with a lower learning rate, or check the data near this step."
+        )
 
     def poll(self) -> None:
         """Finish a background save whose write is done; cheap, call once per step."""
@@ -324,6 +349,7 @@ class CheckpointManager:
                 f"{info.path} is a model-only export; use checkpoint.initial_load_path to start from it"
             )
         start = time.perf_counter()
+        verify_checkpoint(info.path)
         shapes = checkpoint_shapes(info.path)
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}

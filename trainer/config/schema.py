@@ -9,6 +9,7 @@ Torch-free, so `--help` and config errors come back instantly.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ class Metrics(Section):
     enable_wandb: bool = _field(False, "Also log to Weights & Biases")
     wandb_project: str = _field("dsv3-trainer", "Weights & Biases project")
     wandb_mode: str = _field("offline", "Weights & Biases mode", choices=("offline", "online", "disabled"))
+    enable_tensorboard: bool = _field(False, "Also write TensorBoard scalars to <run folder>/tb (needs tensorboard)")
     peak_flops: float = _field(0.0, "Per-device peak FLOP/s for MFU; 0 = look up the device")
     jsonl_file: str = _field("metrics.jsonl", "Metrics JSONL file name inside the run folder")
 
@@ -247,6 +249,11 @@ class Metrics(Section):
             (
                 self.peak_flops >= 0,
                 f"metrics.peak_flops must be >= 0 (0 = look up the device), got {self.peak_flops}.",
+            ),
+            (
+                not self.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
+                "metrics.enable_tensorboard needs the tensorboard package: pip install tensorboard "
+                "(or the project's [tensorboard] extra), or drop --metrics.enable_tensorboard.",
             ),
         )
 

@@ -56,9 +56,9 @@ class _SkipProfilerOps(TorchDispatchMode):
 
     SAC replays by counting each op's calls, and must see the same calls in forward and in
     recompute. FSDP2 hooks of a unit *inside* the checkpointed block (the routed experts' own
-    unit under EP) annotate with ``record_function`` a different number of times in recompute
-    (there ``FSDP::root_pre_forward`` also runs), which SAC rejects, though annotations compute
-    nothing. PyTorch has the same bypass in review upstream; until a release carries it, this
+    unit under EP on torch < 2.13, trainer/parallel/fsdp.py) annotate with ``record_function``
+    a different number of times in recompute (there ``FSDP::root_pre_forward`` also runs), which
+    SAC rejects, though annotations compute nothing. PyTorch has the same bypass in review upstream; until a release carries it, this
     keeps the two counts equal by hiding annotations from SAC.
     """
 

@@ -11,9 +11,10 @@ What is compiled (`docs/compile.md` has the long version):
   `forward` per block. Dense blocks are compiled with `fullgraph=True` (a graph break is an
   error). On one device an MoE block is one graph too (the local dispatcher has static shapes,
   models/moe/permutation.py). Under expert parallelism it breaks exactly twice, at the
-  all-to-all dispatcher's `dispatch()` and `exchange_back()` (`torch.compiler.disable`d); with
-  FSDP the routed experts are their own FSDP unit, whose hooks FSDP2 keeps out of dynamo: one
-  more break, at the experts call (their ep-DTensor weights add none).
+  all-to-all dispatcher's `dispatch()` and `exchange_back()` (`torch.compiler.disable`d); the
+  routed experts' ep-DTensor weights add none, and under FSDP they share their block's unit
+  (trainer/parallel/fsdp.py), whose hooks run outside the compiled `forward` (on torch < 2.13
+  they are a unit of their own, whose hooks FSDP2 keeps out of dynamo: one more break).
 * the loss (`compiled_cross_entropy_sum`), which fuses the fp32 upcast into the softmax.
 
 Per block, not the whole model: a whole-model compile would split at every MoE boundary and
@@ -38,8 +39,8 @@ each call, so other compiled code in the process keeps its defaults):
   `MoE.forward` resume inside the nested frame instead of also splitting the calling block at
   `self.ffn(...)`.
 
-The all-to-all dispatcher marks its routed-row dim dynamic (`maybe_mark_dynamic` on
-`routed_x`), so expert parallelism's varying row counts do not recompile either.
+The all-to-all dispatcher marks its received-row dim unbacked (`mark_unbacked` on `routed_x`),
+so expert parallelism's varying row counts, 0 and 1 included, do not recompile either.
 """
 
 from __future__ import annotations

@@ -125,6 +125,15 @@ def all_ranks_any(flag: bool) -> bool:
     return bool(t.item())
 
 
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (`[obj]` without a process group)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_sum(tensor: torch.Tensor, mesh_or_group) -> torch.Tensor:
     """In-place sum over a 1-D DeviceMesh or a ProcessGroup (None: a no-op); returns the tensor."""
     group = mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group

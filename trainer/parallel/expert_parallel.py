@@ -23,12 +23,11 @@ Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._dynamo.decorators import mark_unbacked
 
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -45,12 +44,31 @@ from models.moe.permutation import (
 )
 
 
-class _A2AContext(NamedTuple):
-    send: ExpertPermutation  # (token, choice) slots -> send rows, sorted by global expert
-    recv: ExpertPermutation  # received rows -> rows sorted (and aligned) by local expert
-    top_scores: torch.Tensor  # [T, K] fp32 gate values
-    input_splits: list[int]  # rows sent to each ep rank
-    output_splits: list[int]  # rows received from each ep rank
+class _A2AContext:
+    """What ``combine`` needs from ``dispatch``.
+
+    A plain class, not a NamedTuple: the context crosses the compiled region between the two
+    exchanges, and dynamo guards only the attributes compiled code reads (``send`` and
+    ``top_scores``, whose shapes are fixed by the local tokens). Tuple items would all be guarded,
+    and ``recv`` and the split lists change with routing: every new received row count would
+    recompile the block.
+    """
+
+    __slots__ = ("send", "recv", "top_scores", "input_splits", "output_splits")
+
+    def __init__(
+        self,
+        send: ExpertPermutation,
+        recv: ExpertPermutation,
+        top_scores: torch.Tensor,
+        input_splits: list[int],
+        output_splits: list[int],
+    ):
+        self.send = send  # (token, choice) slots -> send rows, sorted by global expert
+        self.recv = recv  # received rows -> rows sorted (and aligned) by local expert
+        self.top_scores = top_scores  # [T, K] fp32 gate values
+        self.input_splits = input_splits  # rows sent to each ep rank
+        self.output_splits = output_splits  # rows received from each ep rank
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -103,7 +121,10 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         )
         recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=group_align(x))
         routed_x = permute(recv_x, recv)
-        torch._dynamo.maybe_mark_dynamic(routed_x, 0)
+        # The received row count depends on routing. Unbacked, it is one symbol for the compiled
+        # experts whatever its value: a backed (dynamic) size would be specialised when it is 0
+        # or 1, and a rank whose experts receive 0 or 1 rows would recompile the block.
+        mark_unbacked(routed_x, 0)
         return routed_x, recv.counts, _A2AContext(send, recv, top_scores, input_splits, output_splits)
 
     def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:

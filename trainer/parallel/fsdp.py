@@ -1,11 +1,15 @@
 """FSDP2 / HSDP wrapping (the gradient norm across meshes is trainer/parallel/grad_norm.py).
 
 Wrapping (``apply_fsdp``): each transformer block (and MTP block) is one FSDP unit; with expert
-parallelism the routed experts of a block are their own unit on the expert mesh ("efsdp", or
-"ehsdp" with replication), everything else on "fsdp" ("hsdp" with replication); the root
-(embedding, final norm, head) is the last unit. Gradients are *summed*, not averaged: the
-loss is already divided by the global number of valid tokens (trainer/loss.py), so FSDP's
-default division by the data-parallel size would shrink them a second time.
+parallelism the routed experts of a block are sharded on the expert mesh ("efsdp", or "ehsdp"
+with replication), everything else on "fsdp" ("hsdp" with replication); the root (embedding,
+final norm, head) is the last unit. Where FSDP2 takes a mesh per parameter (torch >= 2.13) the
+experts stay in their block's unit as a second parameter group: a unit of their own would put
+FSDP's hooks, which dynamo does not trace, at the experts' call inside the compiled MoE block
+and split it there (docs/compile.md). Older torch gets that unit of its own. Gradients are
+*summed*, not averaged: the loss is already divided by the global number of valid tokens
+(trainer/loss.py), so FSDP's default division by the data-parallel size would shrink them a
+second time.
 
 Routed experts under EP are already DTensors ``Shard(0)`` on "ep"; "efsdp"/"ehsdp" and "ep" are
 dims of one root mesh ("sparse", parallel_dims.py), so ``fully_shard`` stacks its dim-0 shard on
@@ -19,9 +23,22 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from models.moe import MoE
 from trainer.parallel.distributed import init_one_process_group
+
+try:  # A mesh per parameter (documented in fully_shard's shard_placement_fn); torch >= 2.13.
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+except ImportError:
+    ShardPlacementResult = None
+
+# Whether routed experts under EP share their block's FSDP unit (else they are a unit of their own).
+EXPERTS_IN_BLOCK_UNIT = ShardPlacementResult is not None
 
 RESHARD_POLICIES = ("default", "always", "never")
 
@@ -79,9 +96,10 @@ def apply_fsdp(
         blocks += [m for m in model.mtp]
     units: list[FSDPModule] = []
     expert_units: dict[int, FSDPModule] = {}
+    expert_placement = _expert_placement_fn(model, expert_mesh) if expert_mesh is not None else None
     for i, block in enumerate(blocks):
         reshard = _reshard(reshard_after_forward, is_last=False)
-        if expert_mesh is not None:
+        if expert_mesh is not None and expert_placement is None:
             for sub in block.modules():
                 if isinstance(sub, MoE):
                     fully_shard(
@@ -90,7 +108,10 @@ def apply_fsdp(
                     )
                     _set_sum_reduction(sub.experts)
                     expert_units[i] = sub.experts
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored_params)
+        fully_shard(
+            block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored_params,
+            shard_placement_fn=expert_placement,
+        )
         _set_sum_reduction(block)
         units.append(block)
     if not root_runs_forward:
@@ -109,12 +130,13 @@ def apply_fsdp(
     )
     _set_sum_reduction(model)
 
-    if expert_units and root_runs_forward:
+    if expert_mesh is not None and root_runs_forward:
         # (Without the root's forward each unit initialises as a root of its own, and FSDP can
         # prefetch only units initialised under the same root.)
-        # With EP the block's all-to-alls sit between its dense and expert all-gathers: fetch
-        # the next block and its experts explicitly so the gathers overlap the exchange
-        # (implicit prefetch would only start the next gather after the all-to-all returns).
+        # With EP the block's all-to-alls (and their host read of the split sizes) come before
+        # the next block's all-gathers: fetch the next block (and its experts, where they are a
+        # unit of their own) explicitly so the gathers overlap the exchange (implicit prefetch
+        # would only start the next gather after the all-to-all returns).
         for i, block in enumerate(units):
             nxt = [units[i + 1]] if i + 1 < len(units) else []
             if i + 1 in expert_units:
@@ -126,6 +148,25 @@ def apply_fsdp(
             if i - 1 in expert_units:
                 prev.append(expert_units[i - 1])
             units[i].set_modules_to_backward_prefetch(prev)
+
+
+def _expert_placement_fn(model: nn.Module, expert_mesh):
+    """A ``shard_placement_fn`` that puts the routed experts' parameters on ``expert_mesh``
+    and leaves every other parameter on the unit's mesh, or None where this torch has no mesh
+    per parameter."""
+    if not EXPERTS_IN_BLOCK_UNIT:
+        return None
+    # One mesh-info object for every expert parameter: FSDP groups parameters by it.
+    if expert_mesh.ndim == 1:
+        mesh_info = FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)
+    else:
+        mesh_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    experts = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+
+    def placement(param: nn.Parameter):
+        return ShardPlacementResult(Shard(0), mesh_info) if id(param) in experts else None
+
+    return placement
 
 
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
