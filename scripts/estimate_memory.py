@@ -2,6 +2,8 @@
 
     python scripts/estimate_memory.py --flavor 671B --dp_shard 512 --ep 64 --tp 1 \
         --seq_len 4096 --local_batch_size 1 --ac full
+    python scripts/estimate_memory.py --flavor 671B --pp 8 --pp_schedule Interleaved1F1B --dp_shard 64 \
+        --ep 32 --seq_len 4096 --local_batch_size 8 --ac full
 
 What is counted and what is not is in trainer/memory.py's docstring; the trainer itself refuses a
 run whose estimate exceeds the device's free memory before building the model.
@@ -17,6 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.deepseek_v3 import flavor_names  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.pipeline_layout import (  # noqa: E402
+    PP_SCHEDULES,
+    default_microbatches,
+    default_stages_per_rank,
+)
 from trainer.memory import ACT_BYTES, estimate  # noqa: E402
 
 
@@ -27,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp_shard x cp)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help="context degree (cp, or ep with ep_as_cp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (GPUs = pp x dp_shard x cp x tp)")
+    p.add_argument("--pp_schedule", choices=PP_SCHEDULES, default="1F1B")
+    p.add_argument("--pp_stages_per_rank", type=int, default=-1, help="-1: the schedule's default")
+    p.add_argument("--pp_microbatches", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--local_batch_size", type=int, default=1, help="sequences per data rank per micro-batch")
     p.add_argument("--ac", choices=("full", "none"), default="full")
@@ -39,19 +51,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda adds the bf16 weight copies, allocator rounding and cuBLAS workspace")
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
+    stages = args.pp_stages_per_rank if args.pp_stages_per_rank > 0 else default_stages_per_rank(args.pp_schedule)
+    micro = args.pp_microbatches if args.pp_microbatches > 0 else default_microbatches(args.pp_schedule, args.pp, stages)
     try:
         r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
                      args.ac, args.mixed_precision, device_type=args.device, optimizer=args.optimizer,
-                     state_dtype=args.state_dtype)
-    except ValueError as e:
+                     state_dtype=args.state_dtype, pp=args.pp, pp_schedule=args.pp_schedule,
+                     pp_stages_per_rank=stages, pp_microbatches=micro)
+    except (ValueError, ConfigError) as e:
         p.error(str(e))
     if args.json:
         print(json.dumps(r))
         return 0
     lay = r["layout"]
-    print(f"{args.flavor}: {r['params_total_B']:.2f}B params; {lay['gpus']} GPUs = dp_shard {lay['dp_shard']} x cp "
-          f"{lay['cp']} x tp {lay['tp']}, ep {lay['ep']} (efsdp {lay['efsdp']}); seq_len {lay['seq_len']}, "
+    pipeline = f"pp {lay['pp']} x " if lay["pp"] > 1 else ""
+    print(f"{args.flavor}: {r['params_total_B']:.2f}B params; {lay['gpus']} GPUs = {pipeline}dp_shard {lay['dp_shard']} x "
+          f"cp {lay['cp']} x tp {lay['tp']}, ep {lay['ep']} (efsdp {lay['efsdp']}); seq_len {lay['seq_len']}, "
           f"local batch {lay['local_batch_size']}, AC {lay['ac']}")
+    if lay["pp"] > 1:
+        print(f"  pipeline {lay['pp_schedule']}, {lay['pp_stages_per_rank']} stage(s) per rank, "
+              f"{lay['pp_microbatches']} micro-batches; the fullest pp rank below, every rank's total: "
+              + ", ".join(f"{g:.1f}" for g in r["gib_per_pp_rank"]) + " GiB")
     print(f"  parameters per GPU        {r['params_per_gpu_B']:8.3f} B")
     for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"),
                        ("backward_temporaries", "embed/head grad temps"), ("optimizer", "optimizer states"),

@@ -39,6 +39,7 @@ import torch
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from trainer.config import ConfigError
+from trainer.config.pipeline_layout import rank_stages, split_stages
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
@@ -56,15 +57,12 @@ def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
     """Parameters of one block split by how they are laid out: tp-split, tp-replicated, routed experts."""
     d, h = a.dim, a.n_heads
     split = h * a.v_head_dim * d + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)  # wo, wkv_b
-    matrices = d * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a (and wq_a): replicated, Muon's
-    repl = a.kv_lora_rank + 2 * d  # kv_norm, 2 norms
+    repl = _replicated_matrices(a) + a.kv_lora_rank + 2 * d  # wkv_a (wqkv_a), kv_norm, 2 norms
     if a.q_lora_rank == 0:
         split += d * h * a.qk_head_dim
     else:
         split += a.q_lora_rank * h * a.qk_head_dim
-        matrices += d * a.q_lora_rank
         repl += a.q_lora_rank
-    repl += matrices
     experts = 0
     if moe:
         m = a.moe
@@ -73,7 +71,13 @@ def _block_params(a: DeepSeekV3ModelArgs, moe: bool) -> dict[str, int]:
         experts = m.num_experts * 3 * d * a.moe_inter_dim
     else:
         split += 3 * d * a.inter_dim
-    return {"tp_split": split, "tp_replicated": repl, "experts": experts, "tp_replicated_matrices": matrices}
+    return {"tp_split": split, "tp_replicated": repl, "experts": experts}
+
+
+def _replicated_matrices(a: DeepSeekV3ModelArgs) -> int:
+    """A block's tp-replicated matrix parameters (`wkv_a`, or `wqkv_a` with the query bottleneck):
+    Muon's, unlike the other replicated parameters (norms, router)."""
+    return a.dim * (a.kv_lora_rank + a.qk_rope_head_dim + a.q_lora_rank)
 
 
 def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
@@ -136,27 +140,74 @@ def _block_tensor_numels(a: DeepSeekV3ModelArgs, moe: bool) -> list[int]:
 def estimate(
     flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
-    block_causal_sdpa: bool = False, optimizer: str = "AdamW", state_dtype: str = "float32",
+    block_causal_sdpa: bool = False, pp: int = 1, pp_schedule: str = "1F1B", pp_stages_per_rank: int = 1,
+    pp_microbatches: int = 1, pp_layout: str = "", optimizer: str = "AdamW", state_dtype: str = "float32",
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
     ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask; ``optimizer``
-    and ``state_dtype``: ``[optimizer] name`` and ``state_dtype``."""
+    and ``state_dtype``: ``[optimizer] name`` and ``state_dtype``.
+
+    With ``pp`` > 1 every pipeline rank holds its stages' blocks (the first the embedding, the
+    last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
+    of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); the
+    estimate is the fullest rank's, with every rank's total in ``gib_per_pp_rank``."""
     a = model_args or get_flavor(flavor)
-    act_bytes = ACT_BYTES[mixed_precision]
     if seq_len % (2 * cp) and cp > 1:
         raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
     fsdp = dp_shard * cp
     if fsdp % ep:
         raise ValueError(f"ep={ep} must divide dp_shard x cp = {fsdp}")
-    efsdp = fsdp // ep
-    n_moe = a.n_layers - a.n_dense_layers
-    kinds = [False] * a.n_dense_layers + [True] * n_moe + [True] * a.mtp_depth
-    blocks = [_block_params(a, moe=k) for k in kinds]
-    embed_head = (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim  # a tied head is the embedding
+    layout = {"dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep, "efsdp": fsdp // ep, "pp": pp,
+              "gpus": pp * dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
+              "mixed_precision": mixed_precision, "device_type": device_type}
+    share = dict(fsdp=fsdp, ep=ep, tp=tp, cp=cp, seq_len=seq_len, ac=ac, mixed_precision=mixed_precision,
+                 device_type=device_type, block_causal_sdpa=block_causal_sdpa, optimizer=optimizer,
+                 state_dtype=state_dtype)
+    if pp == 1:
+        result = _estimate_share(a, list(range(a.n_layers)), True, True, True, local_batch_size, 1, **share)
+        return {"flavor": flavor, "layout": layout, **result}
+    if local_batch_size % pp_microbatches:
+        raise ValueError(f"pp_microbatches={pp_microbatches} must divide local_batch_size={local_batch_size}")
+    specs = split_stages(a.n_layers, a.mtp_depth, pp * pp_stages_per_rank, pp_layout)
+    in_flight = min(pp, pp_microbatches)
+    ranks = []
+    for rank in range(pp):
+        mine = rank_stages(specs, pp_schedule, pp, rank)
+        first, last = any(s.first for s in mine), any(s.last for s in mine)
+        ranks.append(_estimate_share(
+            a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
+            local_batch_size // pp_microbatches, in_flight, **share,
+        ))
+    worst = max(ranks, key=lambda r: r["gib"]["total"])
+    layout.update(pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, pp_microbatches=pp_microbatches)
+    return {
+        "flavor": flavor, "layout": layout, **worst,
+        "gib_per_pp_rank": [r["gib"]["total"] for r in ranks],
+    }
 
-    split = sum(b["tp_split"] for b in blocks) + embed_head + a.mtp_depth * 2 * a.dim * a.dim
-    repl = sum(b["tp_replicated"] for b in blocks) + a.dim + a.mtp_depth * 3 * a.dim
+
+def _estimate_share(
+    a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: int, *,
+    fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
+    block_causal_sdpa: bool, optimizer: str, state_dtype: str,
+) -> dict:
+    """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
+    modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once."""
+    act_bytes = ACT_BYTES[mixed_precision]
+    efsdp = fsdp // ep
+    n_mtp = a.mtp_depth if mtp else 0
+    kinds = [i >= a.n_dense_layers for i in layers] + [True] * n_mtp
+    blocks = [_block_params(a, moe=k) for k in kinds]
+    # A tied head is the embedding: counted once where both are held.
+    n_vocab_mats = (1 if a.tie_embeddings and embed and head else int(embed) + int(head))
+    embed_head = n_vocab_mats * a.vocab_size * a.dim
+    total_model = sum(
+        sum(b.values()) for b in (_block_params(a, moe=i >= a.n_dense_layers) for i in range(a.n_layers + a.mtp_depth))
+    ) + (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim + a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
+
+    split = sum(b["tp_split"] for b in blocks) + embed_head + n_mtp * 2 * a.dim * a.dim
+    repl = sum(b["tp_replicated"] for b in blocks) + (a.dim if head else 0) + n_mtp * 3 * a.dim
     experts = sum(b["experts"] for b in blocks)
     total = split + repl + experts
     local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
@@ -164,52 +215,48 @@ def estimate(
     muon_local = 0.0
     if optimizer == "muon":  # every block matrix and expert; embedding, head, norms, routers stay AdamW
         muon_local = (split - embed_head) / (tp * fsdp) + experts / (ep * efsdp)
-        muon_local += sum(b["tp_replicated_matrices"] for b in blocks) / fsdp
+        muon_local += len(blocks) * _replicated_matrices(a) / fsdp
     states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
 
     # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
     # param dtype, and the block being reduced holds its fp32 unsharded gradient. Without
     # sharding (one data rank) there is no FSDP wrap and no such buffer.
-    biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"])
-    unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep
+    biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"]) if blocks else None
+    unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep if blocks else 0.0
     transient = unsharded * (2 * act_bytes + 4) / GiB if fsdp > 1 else 0.0
 
-    tokens = local_batch_size * seq_len / cp  # local tokens per GPU
+    tokens = rows * seq_len / cp  # local tokens per micro-batch
     per_layer = [
-        _layer_activation_bytes(a, moe=i >= a.n_dense_layers, tp=tp, cp=cp, act_bytes=act_bytes) * tokens
-        for i in range(a.n_layers + a.mtp_depth)
+        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes) * tokens for k in kinds
     ]
     if ac == "full":
-        act = len(per_layer) * tokens * a.dim / tp * act_bytes + max(per_layer)
+        act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
     else:
-        act = sum(per_layer)
+        act = sum(per_layer) * in_flight
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
-    logits = (1 + a.mtp_depth) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4)
+    logits = (1 + n_mtp) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4) if head else 0.0
     # The bool mask and the additive mask sdpa derives from it in the compute dtype.
-    mask = local_batch_size * (seq_len / cp) * seq_len * (1 + act_bytes) if block_causal_sdpa else 0.0
+    mask = rows * (seq_len / cp) * seq_len * (1 + act_bytes) * in_flight if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
     # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
     # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
-    backward_tmp = 2 * a.vocab_size * a.dim / tp * 4 / GiB
+    backward_tmp = n_vocab_mats * a.vocab_size * a.dim / tp * 4 / GiB
     cuda = device_type == "cuda"
-    embedding_local = a.vocab_size * a.dim / (tp * fsdp)
+    embedding_local = a.vocab_size * a.dim / (tp * fsdp) if embed else 0.0
     copies = (local - embedding_local) * 2 if cuda and mixed_precision == "bfloat16" and fsdp == 1 else 0.0
     rounding = 0.0
     if cuda:
         scale = local / total  # each tensor's local share, as the layout splits it on average
-        numels = [n for k in kinds for n in _block_tensor_numels(a, k)] + [a.vocab_size * a.dim] * 2 + [a.dim]
+        numels = [n for k in kinds for n in _block_tensor_numels(a, k)] + [a.vocab_size * a.dim] * n_vocab_mats
+        numels += [a.dim] if head else []
         per_copy = [(4, 4), (2, 1 if copies else 0)]  # (bytes per element, tensors): fp32 param, grad, m, v; bf16 copy
         rounding = sum(
             count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes)
             for n in numels for nbytes, count in per_copy
         )
     result = {
-        "flavor": flavor,
-        "layout": {"dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep, "efsdp": efsdp,
-                   "gpus": dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
-                   "mixed_precision": mixed_precision, "device_type": device_type},
-        "params_total_B": total / 1e9,
+        "params_total_B": total_model / 1e9,
         "params_per_gpu_B": local / 1e9,
         "gib": {
             **states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations,
@@ -258,6 +305,8 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
         cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.context_degree, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
+        pp=dims.pp, pp_schedule=dims.pp_schedule, pp_stages_per_rank=dims.pp_stages_per_rank,
+        pp_microbatches=dims.pp_microbatches, pp_layout=dims.pp_layout,
         optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
     )
     need = est["gib"]["total"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -33,7 +34,6 @@ from trainer.memory import check_fits
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import report_user_error, write_launch_file
-from trainer.loss import count_valid, cross_entropy_sum
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.metrics import (
     MetricsLogger,
@@ -127,6 +127,8 @@ class Trainer:
         # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
         flavor = resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
+        mtp_depth = flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
+        self.parallel_dims.check_stages(flavor.n_layers, mtp_depth)
 
         self.device = select_device(t.device, local_rank_from_env())
         init_distributed(self.device)
@@ -176,7 +178,7 @@ class Trainer:
         model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type, hasher)
         materialize(model, self.device, t.seed)
         model.train()
-        if hasher is not None:
+        if model.engram_layer_ids:  # (a pipeline rank may hold none)
             table_stats = engram_metrics(model)
             logger.info(
                 "engram: layers %s, %d compressed ids (of %d), %d table rows = %.1f MiB on this rank",
@@ -230,7 +232,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
         )
         resumed = self.checkpointer.load()
         if resumed is not None:
@@ -276,17 +278,12 @@ class Trainer:
                 infinite=False,
             )
 
-        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.global_sum)
+        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.step_sum)
 
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count
-        for one full batch, in the run's layout (as in `train_step`), so the sums over the
-        "loss" mesh are the global ones."""
-        mb = self.parallel.prepare_batch(inputs, labels)
-        with self.autocast(), self.parallel.loss_context():
-            logits = self.model(mb.inputs, **mb.model_kwargs).logits
-            loss_sum = self.parallel.value(cross_entropy_sum(logits, mb.labels))
-        return loss_sum, count_valid(mb.labels)
+        """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count for
+        one full batch, in the run's layout (`ParallelStep.eval_loss_sum`)."""
+        return self.parallel.eval_loss_sum(inputs, labels, self.autocast)
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -347,23 +344,9 @@ class Trainer:
         micro, n_valid, n_valid_mtp = self.parallel.prepare(batches, self.model_args.mtp_depth)
         if self.qk_clip is not None:
             self.qk_clip.begin_step(self.step)
-        aux_scale = 1.0 / (len(micro) * self.parallel.loss_degree)  # per-rank balance means -> global
-        loss_total = torch.zeros((), device=self.device)
-        mtp_total = torch.zeros((), device=self.device)
+        objective = functools.partial(self.objective, n_valid=n_valid, n_valid_mtp=n_valid_mtp)
         with self.parallel.loss_context():
-            for mb in self.parallel.microbatches(micro):
-                with self.autocast():
-                    out = self.model(mb.inputs, labels=mb.labels, **mb.model_kwargs)
-                    loss = self.loss_fn(out.logits, mb.labels) / n_valid
-                    if self.step == self.cfg.training.debug_inject_nan_step:
-                        loss = loss * float("nan")
-                    objective = loss + out.aux_loss * aux_scale
-                    if out.mtp_logits:
-                        mtp = mb.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
-                        objective = objective + self.cfg.model.mtp_loss_weight * mtp
-                        mtp_total += self.parallel.value(mtp.detach())
-                objective.backward()
-                loss_total += self.parallel.value(loss.detach())
+            loss_total, mtp_total = self.parallel.forward_backward(micro, objective, self.autocast)
         self.breakdown.mark("forward_backward")
         params = [p for p in self.model.parameters() if p.grad is not None]
         totals = self.parallel.reduce_losses(loss_total, mtp_total)
@@ -388,6 +371,21 @@ class Trainer:
         if self.model_args.mtp_depth:
             stats["mtp_loss"] = mtp_value
         return stats
+
+    def objective(
+        self, out, mb, aux_scale: float, n_valid: torch.Tensor, n_valid_mtp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What one micro-batch's backward differentiates (next-token loss over the global valid
+        count, the MoE balance loss, the weighted MTP loss), with its next-token and MTP terms."""
+        loss = self.loss_fn(out.logits, mb.labels) / n_valid
+        if self.step == self.cfg.training.debug_inject_nan_step:
+            loss = loss * float("nan")
+        objective = loss + out.aux_loss * aux_scale
+        mtp = torch.zeros((), device=loss.device)
+        if out.mtp_logits:
+            mtp = mb.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
+            objective = objective + self.cfg.model.mtp_loss_weight * mtp
+        return objective, loss, mtp
 
     def logged_metrics(self) -> dict:
         """Metrics that need host reads of their own, gathered on logging steps only: Engram
@@ -466,7 +464,7 @@ class Trainer:
                     )
                 )
                 record["step_time_s"] = window_time / window_steps
-                record["memory_gib"] = peak_memory_gib(self.device)
+                record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
                 record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
                 record.update(self.breakdown.window_record())
                 if not math.isfinite(stats["loss"]):

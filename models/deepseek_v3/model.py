@@ -101,7 +101,9 @@ class DeepSeekV3Model(nn.Module):
     """Embedding -> `n_layers` blocks (`layers["0"]`..) -> norm -> head, plus `mtp` modules.
 
     `layers` is a ModuleDict keyed by the block index so that indices (and checkpoint names)
-    survive pipeline splitting and activation-checkpoint wrapping.
+    survive pipeline splitting and activation-checkpoint wrapping. A pipeline stage is this model
+    with the blocks of other stages deleted and `embed` / `norm` / `head` / `mtp` set to None where
+    it does not hold them; it runs the pieces of `forward` it holds.
     """
 
     def __init__(self, args: DeepSeekV3ModelArgs):
@@ -158,6 +160,15 @@ class DeepSeekV3Model(nn.Module):
         model has Engram layers.
         Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
         """
+        freqs_cis, attn_mask = self.rope_and_mask(tokens, positions, attn_mask)
+        h, aux_loss = self.forward_blocks(self.embed(tokens), freqs_cis, attn_mask, tokens, engram_ids)
+        logits, mtp_logits, mtp_aux = self.forward_head(h, labels, freqs_cis, attn_mask)
+        return ModelOutput(logits, mtp_logits, aux_loss + mtp_aux)
+
+    # The pieces of `forward`, which a pipeline stage (trainer/parallel/pipeline.py) runs on the
+    # modules it holds: the embedding, a run of blocks, the head with MTP.
+    def rope_and_mask(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attn_mask=None):
+        """(rope rows `[S, rope]` of the tokens' positions, the attention mask) as `forward` takes them."""
         seqlen = tokens.shape[1]
         if positions is None:
             if seqlen > self.freqs_cis.shape[0]:
@@ -167,43 +178,56 @@ class DeepSeekV3Model(nn.Module):
             freqs_cis = self.freqs_cis[positions]  # (S, rope) rows of these global positions
         if attn_mask is None:
             attn_mask = build_attention_mask(tokens, self.args.attn_mask_type, self.args.eos_id, self.args.attn_backend)
+        return freqs_cis, attn_mask
 
-        h = self.embed(tokens)
+    def forward_blocks(
+        self, h: torch.Tensor, freqs_cis: torch.Tensor, attn_mask, tokens: torch.Tensor,
+        engram_ids: torch.Tensor | None = None, layers=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layers` (default: all of `self.layers`, in order) on `h`: (`[B, S, dim]`, their summed aux loss).
+        `engram_ids` slot i belongs to the i-th Engram block of `layers`."""
+        layers = list(self.layers.values() if layers is None else layers)
+        engram_layers = [layer for layer in layers if layer.engram is not None]
+        engram_rows = self._engram_rows(engram_ids, engram_layers)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        engram_rows = self._engram_rows(engram_ids)
-        engram_slot = 0
-        for layer in self.layers.values():
+        for layer in layers:
             if layer.engram is not None:
-                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[engram_slot])
-                engram_slot += 1
+                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[engram_layers.index(layer)])
             else:
                 h, layer_aux = layer(h, freqs_cis, attn_mask)
             aux_loss = aux_loss + layer_aux
+        return h, aux_loss
+
+    def forward_head(
+        self, h: torch.Tensor, labels: torch.Tensor | None, freqs_cis: torch.Tensor, attn_mask
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Final norm, head and (training with labels) the MTP depths: (logits, MTP logits, MTP aux loss)."""
         h = self.norm(h)
         logits = self.head(h)
-
         mtp_logits = []
+        aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
         if self.mtp is not None and self.training and labels is not None:
             for depth, module in enumerate(self.mtp):
                 h, layer_aux = module(h, self.embed(mtp_input_ids(labels, depth)), freqs_cis, attn_mask)
                 aux_loss = aux_loss + layer_aux
                 mtp_logits.append(self.head(h))
-        return ModelOutput(logits, mtp_logits, aux_loss)
+        return logits, mtp_logits, aux_loss
 
-    def _engram_rows(self, engram_ids: torch.Tensor | None):
-        """Per Engram layer `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""
-        tables = [layer.engram.table for layer in self.layers.values() if layer.engram is not None]
+    def _engram_rows(self, engram_ids: torch.Tensor | None, engram_layers: list):
+        """Per Engram block of `engram_layers` `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""
+        tables = [layer.engram.table for layer in engram_layers]
         if not tables:
             return None
+        layer_ids = [layer.layer_id for layer in engram_layers]
         if engram_ids is None:
             raise ValueError(
-                f"this model has Engram layers {list(self.engram_layer_ids)}: pass "
+                f"this model has Engram layers {layer_ids}: pass "
                 "engram_ids=NgramHasher(engram_args, compression, layer_ids=model.engram_layer_ids)(tokens)"
             )
         if engram_ids.shape[2] != len(tables):
             raise ValueError(
-                f"engram_ids has {engram_ids.shape[2]} layer slots, this model has {len(tables)} Engram layers "
-                f"{list(self.engram_layer_ids)}"
+                f"engram_ids has {engram_ids.shape[2]} layer slots, these blocks have {len(tables)} Engram "
+                f"layers {layer_ids}"
             )
         return self.engram_lookup(tables, engram_ids)
 
@@ -214,16 +238,22 @@ class DeepSeekV3Model(nn.Module):
         device = buffer_device if buffer_device is not None else self.freqs_cis.device
         self.freqs_cis = self._precompute_freqs_cis(device)
         head_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:
+        # A pipeline stage holds only some parts (the others are None): it initialises those.
+        if self.args.tie_embeddings and self.head is not None:
             # `to_empty` materialises the two owners of a tied parameter separately: tie again.
             self.head.weight = self.embed.weight
             nn.init.normal_(self.embed.weight, mean=0.0, std=head_std)
+        elif self.args.tie_embeddings and self.embed is not None:
+            nn.init.normal_(self.embed.weight, mean=0.0, std=head_std)
         else:
-            nn.init.normal_(self.embed.weight, mean=0.0, std=1.0)
-            nn.init.trunc_normal_(self.head.weight, mean=0.0, std=head_std, a=-3 * head_std, b=3 * head_std)
+            if self.embed is not None:
+                nn.init.normal_(self.embed.weight, mean=0.0, std=1.0)
+            if self.head is not None:
+                nn.init.trunc_normal_(self.head.weight, mean=0.0, std=head_std, a=-3 * head_std, b=3 * head_std)
         for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
         if self.mtp is not None:
             for module in self.mtp:
                 module.init_weights()

@@ -18,6 +18,8 @@ identical primes, multipliers and ids without communicating.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -126,6 +128,20 @@ class NgramHasher(nn.Module):
             ),
             persistent=False,
         )
+
+    def select(self, layer_ids: tuple[int, ...]) -> "NgramHasher | None":
+        """The hasher of some of these layers (a pipeline stage's), hashing them exactly as this
+        one does; None for no layers."""
+        if not layer_ids:
+            return None
+        if [i for i in self.layer_ids if i in layer_ids] != list(layer_ids):
+            raise ValueError(f"NgramHasher.select: {layer_ids} must be an ascending subset of {self.layer_ids}")
+        slots = [self.layer_ids.index(i) for i in layer_ids]
+        sub = copy.deepcopy(self)
+        sub.layer_ids = tuple(layer_ids)
+        for name in ("multipliers", "primes", "offsets"):
+            setattr(sub, name, getattr(self, name)[slots])
+        return sub
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

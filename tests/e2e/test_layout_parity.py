@@ -4,7 +4,8 @@ The same config with ``--training.global_batch_size 8`` gives the same per-step 
 validation losses on 1 process and in every layout: the loader's global batch order
 (trainer/data/datasets.py), the layout-invariant init (trainer/parallel/weight_init.py) and the
 validation over the same held-out global batches. A 2-process FSDP checkpoint resumed in 1 process
-and in 4 (FSDP 4 + EP 2) continues the uninterrupted 2-process run's losses.
+and in 4 (FSDP 4 + EP 2) continues the uninterrupted 2-process run's losses; so does a pipelined
+(pp 2) one resumed in 1 process and in pp 2 x FSDP 2, and a 1-process one resumed in pp 2.
 
 Bound: rel 1e-5 (sharding only reorders fp32 sums; observed ~1e-7). The debug model at seq_len 32
 keeps each run to seconds; runs are shared between tests through a module-scoped cache.
@@ -40,8 +41,30 @@ LAYOUTS = {
     "ep_2_as_cp": (2, ["--parallelism.ep", "2", "--parallelism.ep_as_cp", "--training.local_batch_size", "8"]),
     "hsdp_2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
     "fsdp_2_accum_2": (2, ["--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
+    # Pipeline parallelism (issue 20), MTP on (the debug model's depth 1).
+    "pp_2": (2, ["--parallelism.pp", "2", "--training.local_batch_size", "8"]),
+    "pp_2_interleaved": (
+        2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B", "--training.local_batch_size", "8"],
+    ),
+    "pp_2_zbv": (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--training.local_batch_size", "8"]),
+    "pp_2_fsdp_2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
+    "pp_2_fsdp_2_ep_2": (
+        4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "4"],
+    ),
+    "pp_2_tp_2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--training.local_batch_size", "8"]),
 }
 SINGLE = (1, ["--training.local_batch_size", "8"])
+# Engram blocks 1 and 3 on different pipeline stages (0-1 | 2-5), tables whole or split over 2 ranks.
+ENGRAM = ["--job.config_file", str(REPO / "train_configs" / "debug_engram.toml")]
+ENGRAM_PP = ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*2|t*4L"]
+ENGRAM_LAYOUTS = {
+    "engram_pp_2": (2, [*ENGRAM, *ENGRAM_PP, "--training.local_batch_size", "8"]),
+    "engram_pp_2_fsdp_2_table_2": (
+        4,
+        [*ENGRAM, *ENGRAM_PP, "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
+         "--engram.embedding_parallel_degree", "2"],
+    ),
+}
 
 
 def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
@@ -81,12 +104,7 @@ def _assert_close(what: str, got: float, want: float) -> None:
     assert abs(got - want) <= REL * abs(want), f"{what}: {got} vs {want}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_losses_and_validation_match_one_process(runs, layout):
-    single = runs("single", SINGLE[0], [*PARITY, *SINGLE[1]])
-    nproc, flags = LAYOUTS[layout]
-    got = runs(layout, nproc, [*PARITY, *flags])
+def _assert_parity(layout: str, got: dict, single: dict) -> None:
     assert [s for s in got if "loss" in got[s]] == [1, 2, 3, 4, 5]
     for step in range(1, 6):
         _assert_close(f"{layout} step {step} loss", got[step]["loss"], single[step]["loss"])
@@ -97,14 +115,53 @@ def test_losses_and_validation_match_one_process(runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "fsdp_4_ep_2"])
-def test_fsdp_2_checkpoint_resumes_in_another_layout(runs, layout):
-    straight = runs("fsdp_2_straight", 2, [*RESUME, *LAYOUTS["fsdp_2"][1]])
-    step5 = runs.root / "fsdp_2_straight" / "checkpoint" / "step-5"
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_losses_and_validation_match_one_process(runs, layout):
+    single = runs("single", SINGLE[0], [*PARITY, *SINGLE[1]])
+    nproc, flags = LAYOUTS[layout]
+    got = runs(layout, nproc, [*PARITY, *flags])
+    _assert_parity(layout, got, single)
+    if "--parallelism.pp" in flags:  # rank 0 logs every stage's peak memory
+        assert got[5]["memory_gib"] == max(got[5]["memory_gib_pp0"], got[5]["memory_gib_pp1"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ENGRAM_LAYOUTS))
+def test_engram_pipeline_matches_one_process(runs, layout):
+    single = runs("engram_single", SINGLE[0], [*PARITY, *ENGRAM, *SINGLE[1]])
+    nproc, flags = ENGRAM_LAYOUTS[layout]
+    _assert_parity(layout, runs(layout, nproc, [*PARITY, *flags]), single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source, layout",
+    [("fsdp_2", "single"), ("fsdp_2", "fsdp_4_ep_2"), ("pp_2", "single"), ("pp_2", "pp_2_fsdp_2"), ("single", "pp_2")],
+)
+def test_checkpoint_resumes_in_another_layout(runs, source, layout):
+    nproc, flags = SINGLE if source == "single" else LAYOUTS[source]
+    straight = runs(f"{source}_straight", nproc, [*RESUME, *flags])
+    step5 = runs.root / f"{source}_straight" / "checkpoint" / "step-5"
     nproc, flags = SINGLE if layout == "single" else LAYOUTS[layout]
-    resumed = runs(f"resumed_{layout}", nproc, [*RESUME, *flags], start_from=step5)
+    resumed = runs(f"{source}_resumed_{layout}", nproc, [*RESUME, *flags], start_from=step5)
     assert sorted(s for s in resumed if "loss" in resumed[s]) == list(range(6, 11))
     for step in range(6, 11):
-        _assert_close(f"resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
-    log = (runs.root / f"resumed_{layout}" / "train.log").read_text()
+        _assert_close(f"{source} resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
+    log = (runs.root / f"{source}_resumed_{layout}" / "train.log").read_text()
     assert "resumed from" in log and "not restored" not in log and "restart from the seed" not in log
+
+
+@pytest.mark.slow
+def test_pp_2_checkpoint_exports_to_hf(runs, tmp_path):
+    """A pipelined run's checkpoint holds the whole model under its global names: the HF export
+    of it has every weight, the first stage's embedding and the last stage's head and MTP block."""
+    runs("pp_2_straight", 2, [*RESUME, *LAYOUTS["pp_2"][1]])
+    step10 = runs.root / "pp_2_straight" / "checkpoint" / "step-10"
+    proc = subprocess.run(
+        ["python", str(REPO / "scripts" / "convert_hf.py"), "export", str(step10), str(tmp_path / "hf")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"} <= set(names)
+    assert any(name.startswith("model.layers.6.") for name in names)  # the MTP block, after the 6 main blocks

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs
@@ -22,6 +23,7 @@ from trainer.checkpoint import (
     read_model_args,
     read_model_state_dict,
 )
+from trainer.checkpoint.folder import checkpoint_shapes
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 
 
@@ -111,6 +113,28 @@ def test_save_resume_restores_everything(tmp_path):
             assert torch.equal(value, sb["state"][pid][name]), name
     assert b.sched.state_dict()["last_epoch"] == 3 and b.loader.pos == 3
     assert torch.equal(torch.rand(3), rng_after_save)
+
+
+def test_optimizer_groups_are_keyed_by_name_and_older_index_keyed_checkpoints_resume(tmp_path, monkeypatch):
+    """Param groups are saved per parameter name (a pipeline rank's group 0 is not another's);
+    a checkpoint from before, with groups keyed by index, still resumes."""
+    a = build(tmp_path)
+    train_step(a, 1)
+    a.mgr.maybe_save(1, {"step": 1})
+    assert "optimizer.param_groups.embed.weight.lr" in checkpoint_shapes(tmp_path / "checkpoint" / "step-1")
+    by_index = a.mgr._full_state
+    monkeypatch.setattr(a.mgr, "_full_state", lambda train_state: by_index(train_state, StateDictOptions()))
+    train_step(a, 2)
+    a.mgr.maybe_save(2, {"step": 2})
+    a.mgr.close()
+    assert "optimizer.param_groups.0.lr" in checkpoint_shapes(tmp_path / "checkpoint" / "step-2")
+    b = build(tmp_path)
+    assert b.mgr.load() == {"step": 2}
+    sa, sb = a.opt.state_dict(), b.opt.state_dict()
+    assert sb["param_groups"][0]["betas"] == sa["param_groups"][0]["betas"]
+    for pid, st in sa["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, sb["state"][pid][name]), name
 
 
 def test_other_world_size_continues_the_rank_that_read_the_same_shard(tmp_path, caplog, monkeypatch):

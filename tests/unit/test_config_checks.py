@@ -98,6 +98,27 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "3"], ["parallelism.ep = 3 must divide"]),
         (2, ["--training.global_batch_size", "24"], ["global_batch_size = 24", "8 x 2", "multiple of 16"]),
         (2, ["--training.stpes", "3"], ["did you mean --training.steps"]),
+        # Pipeline layouts torch's schedules would refuse (issue 20).
+        (4, ["--parallelism.pp", "3"], ["parallelism.pp = 3 does not divide the world size 4", "[1, 2, 4]"]),
+        (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Looped"], ["pp_schedule = 'Looped'", "LoopedBFS"]),
+        (2, ["--parallelism.pp", "2", "--parallelism.pp_microbatches", "1"], ["pp_microbatches = 1 is fewer than the 2"]),
+        (
+            2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_microbatches", "2"],
+            ["fewer than the 4 stages"],
+        ),
+        (
+            2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.pp_stages_per_rank", "3"],
+            ["V schedule: it needs exactly 2 stages per rank"],
+        ),
+        (2, ["--parallelism.pp", "2", "--parallelism.pp_stages_per_rank", "2"], ["'1F1B' runs one stage per rank"]),
+        (
+            2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--training.compile"],
+            ["refuses for compiled stages", "Interleaved1F1B"],
+        ),
+        (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|Lt*3"], ["exactly one L, at the end"]),
+        (4, ["--parallelism.pp", "2", "--parallelism.cp", "2"], ["context parallelism", "not supported yet"]),
+        (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|t*3X"], ["cannot read 'X'"]),
+        (4, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], ["pp_microbatches = 2 must divide training.local_batch_size = 3"]),
     ],
 )
 def test_prelaunch_check_refuses_with_one_line(capsys, tmp_path, world, argv, words):
@@ -112,6 +133,8 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     run = ["--job.dump_folder", str(tmp_path / "run")]
     assert main(["--world-size", "4", *run, "--parallelism.ep", "2", "--training.global_batch_size", "64"]) == 0
     assert main(["--world-size=2", *run, "--parallelism.cp", "2", "--training.seq_len", "104"]) == 0
+    assert main(["--world-size", "8", *run, "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]) == 0
+    assert main(["--world-size", "4", *run, "--parallelism.pp", "4", "--parallelism.pp_layout", "Et|t*2|t*2|tL"]) == 0
     assert capsys.readouterr().err == ""
 
 

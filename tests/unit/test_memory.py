@@ -93,3 +93,18 @@ def test_allocator_rounding_sees_the_blocks_real_tensors(flavor):
         block = model.layers[str(i)]
         real = sorted(p.numel() for p in block.parameters())
         assert real == sorted(_block_tensor_numels(args, moe)), (flavor, i)
+
+
+def test_pipeline_estimate_is_the_fullest_rank():
+    """pp 8 x FSDP 64 holds what FSDP 512 holds per GPU, split by stages: the first rank has the
+    embedding, the last the head, MTP and the embedding replica, and only it the logits."""
+    flat = estimate("671B", 512, 64, 1, 1, 4096, 1, "full")
+    piped = estimate("671B", 64, 32, 1, 1, 4096, 8, "full", pp=8, pp_schedule="Interleaved1F1B",
+                     pp_stages_per_rank=2, pp_microbatches=8)
+    assert piped["layout"]["gpus"] == flat["layout"]["gpus"] == 512
+    assert piped["params_total_B"] == flat["params_total_B"]
+    per_rank = piped["gib_per_pp_rank"]
+    assert len(per_rank) == 8 and piped["gib"]["total"] == max(per_rank) == per_rank[-1]
+    assert per_rank[0] < per_rank[3] < per_rank[-1]
+    # 1 sequence per micro-batch and up to pp = 8 of them in flight vs 1 sequence: the same rows.
+    assert piped["gib"]["logits_and_loss"] == flat["gib"]["logits_and_loss"]

@@ -204,13 +204,16 @@ def _listing(keys: list[str], limit: int = 8) -> str:
 
 
 def check_model_fits(
-    path: Path, model_sd: dict[str, Any], shapes: dict[str, tuple | None], prefix: str = "model."
+    path: Path, model_sd: dict[str, Any], shapes: dict[str, tuple | None], prefix: str = "model.",
+    whole: bool = True,
 ) -> None:
-    """Raise CheckpointError naming every key and shape that differs between checkpoint and model."""
+    """Raise CheckpointError naming every key and shape that differs between checkpoint and model.
+    ``whole=False``: the model is one pipeline rank's share, so the checkpoint's other keys are
+    other stages' (checked there)."""
     ckpt = {k[len(prefix):]: s for k, s in shapes.items() if k.startswith(prefix)}
     ours = {k: tuple(v.shape) for k, v in model_sd.items()}
     missing = sorted(set(ours) - set(ckpt))
-    unexpected = sorted(set(ckpt) - set(ours))
+    unexpected = sorted(set(ckpt) - set(ours)) if whole else []
     wrong = [
         f"{k}: checkpoint {ckpt[k]} vs model {ours[k]}" for k in sorted(set(ours) & set(ckpt)) if ckpt[k] != ours[k]
     ]
@@ -237,9 +240,10 @@ def export_state_dict(model_sd: dict[str, torch.Tensor], dtype: torch.dtype) -> 
     }
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, whole: bool = True) -> Path:
     """Load only the `model.*` entries of a DCP checkpoint (full or model-only, any dtype) into
-    `model`, resharding to its layout. Returns the checkpoint path used."""
+    `model` (``whole=False``: one pipeline rank's share), resharding to its layout. Returns the
+    checkpoint path used."""
     path = resolve_checkpoint_path(path)
     model_sd = get_model_state_dict(model)
     verify_or_refuse(path)
@@ -247,7 +251,7 @@ def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
         shapes = checkpoint_shapes(path)
     except UnreadableCheckpoint as e:
         raise CheckpointError(str(e)) from None
-    check_model_fits(path, model_sd, shapes)
+    check_model_fits(path, model_sd, shapes, whole=whole)
     state = {"model": model_sd}
     try:
         dcp_load(state, path)

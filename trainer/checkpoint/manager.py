@@ -4,7 +4,8 @@ The folder (`step-N`, `model_args.json`, the `COMPLETE` marker) is `trainer.chec
 the state dict a training checkpoint holds is this module's:
 
     model          get_state_dict(model): parameters and persistent buffers (the MoE `expert_bias`)
-    optimizer      get_state_dict(optimizer): FQN-keyed, so it reshards like the model
+    optimizer      get_state_dict(optimizer): FQN-keyed, param groups too (flattened), so it
+                   reshards like the model, across pipeline stages as well
     lr_scheduler   LambdaLR.state_dict()
     train_state    {"step", "skipped_total", "seq_len", "global_batch_size"}
     rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
@@ -33,6 +34,7 @@ import copy
 import dataclasses
 import logging
 import random
+import re
 import shutil
 import time
 import warnings
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -81,6 +84,10 @@ from trainer.optim import optimizer_signature
 from trainer.parallel.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 
 logger = logging.getLogger("trainer")
+# Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other
+# parameters than another rank's, so index-keyed groups would collide in the checkpoint.
+OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+INDEXED_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.")
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -113,6 +120,7 @@ class CheckpointManager:
         cfg: the `[checkpoint]` section.
         run_dir: the run folder (`[job] dump_folder` itself when resumable); checkpoints go to `run_dir / cfg.folder`.
         dataloader: anything with `state_dict()` / `load_state_dict()`.
+        pipeline_share: ``model`` holds only this rank's pipeline stages.
         storage_writer_factory: makes the DCP storage writer for a folder; tests pass one that
             dies half-way through a save.
     """
@@ -129,6 +137,7 @@ class CheckpointManager:
         model_args: DeepSeekV3ModelArgs,
         device: torch.device,
         storage_writer_factory: Callable[[Path], Any] | None = None,
+        pipeline_share: bool = False,
     ):
         self.cfg = cfg
         self.folder = Path(run_dir) / cfg.folder
@@ -138,6 +147,7 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.model_args = model_args
         self.device = device
+        self.pipeline_share = pipeline_share
         self.rank = global_rank()
         self.storage_writer_factory = storage_writer_factory or (lambda path: ChecksumWriter(str(path)))
         self._pending: _PendingSave | None = None
@@ -158,8 +168,8 @@ class CheckpointManager:
     def _rank_key(self) -> str:
         return f"rank_state_{self.rank}"
 
-    def _full_state(self, train_state: dict) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+    def _full_state(self, train_state: dict, options: StateDictOptions = OPTIM_BY_NAME) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -347,8 +357,11 @@ class CheckpointManager:
         shapes = checkpoint_shapes(info.path)
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
-        state = self._full_state(saved_train_state)
-        check_model_fits(info.path, state["model"], shapes)
+        # Checkpoints written before param groups were keyed by name hold them by group index.
+        by_index = any(INDEXED_GROUP.match(k) for k in shapes)
+        options = StateDictOptions() if by_index else OPTIM_BY_NAME
+        state = self._full_state(saved_train_state, options)
+        check_model_fits(info.path, state["model"], shapes, whole=not self.pipeline_share)
         reset_optimizer = self._optimizer_switched(info.path)
         if reset_optimizer:
             # Another optimizer has other param groups: of the schedule only its position carries over.
@@ -371,10 +384,11 @@ class CheckpointManager:
         except LOAD_ERRORS as e:
             raise UnreadableCheckpoint(short_error(e)) from None
         if reset_optimizer:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
         else:
             set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                options=options,
             )
         self.lr_scheduler.load_state_dict({**self.lr_scheduler.state_dict(), **state["lr_scheduler"]})
         if reset_optimizer:  # the fresh groups' LRs at the resumed step, as LambdaLR.step() sets them
@@ -436,7 +450,7 @@ class CheckpointManager:
         if cfg.initial_load_format == "hf":
             load_hf_weights(path, self.model, self.model_args)
         else:
-            path = load_model_weights(path, self.model)
+            path = load_model_weights(path, self.model, whole=not self.pipeline_share)
         logger.info(
             "initial weights loaded from %s (%s) in %.2fs", path, cfg.initial_load_format, time.perf_counter() - start
         )

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from trainer.config.fields import _cli_repr, _default
+from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -63,6 +64,19 @@ def combination_problems(cfg: Any) -> list[str]:
             "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
             "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
         )
+    p = cfg.parallelism
+    if p.pp > 1 and (p.cp > 1 or p.ep_as_cp):
+        problems.append(
+            "parallelism.pp with context parallelism (parallelism.cp > 1 or ep_as_cp) is not supported yet: the "
+            "pipeline cuts every input by rows, and a context shard's positions and mask are per sequence; "
+            "use --parallelism.cp 1 (and no ep_as_cp) with pp, or pp 1."
+        )
+    if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        problems.append(
+            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, which "
+            "torch.distributed.pipelining refuses for compiled stages; use --parallelism.pp_schedule Interleaved1F1B "
+            "(or 1F1B) with --training.compile, or drop --training.compile."
+        )
     return problems
 
 
@@ -92,6 +106,10 @@ _GATES = (
         ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype"),
     ),
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
+    (
+        "parallelism.pp", lambda c: c.parallelism.pp == 1,
+        ("pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_layout"),
+    ),
 )
 
 

@@ -13,10 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.fields import ConfigError
+from trainer.config.pipeline_layout import (
+    default_microbatches,
+    default_stages_per_rank,
+    pp_layout_problems,
+    schedule_problems,
+    split_stages,
+)
 
 # Meshes every multi-process layout builds; the Engram mesh must be named otherwise.
 MESH_NAMES = (
-    "world", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
+    "world", "pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
     "sparse", "context",
 )
 
@@ -34,7 +41,7 @@ def degree_problems(p) -> list[str]:
     the world size: one message each."""
     problems = [
         f"parallelism.{name} must be >= 1, got {getattr(p, name)}."
-        for name in ("dp_replicate", "cp", "tp", "ep")
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep")
         if getattr(p, name) < 1
     ]
     if p.dp_shard != -1 and p.dp_shard < 1:
@@ -66,10 +73,16 @@ class Layout:
     world_size: int
     engram: int = 1
     engram_mesh_name: str = "engram"
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = -1
+    pp_microbatches: int = -1
+    pp_layout: str = ""
 
     def __post_init__(self) -> None:
         self._validate_degrees()
         self._validate_engram()
+        self._validate_pipeline()
 
     def _validate_degrees(self) -> None:
         w = self.world_size
@@ -78,21 +91,29 @@ class Layout:
         problems = degree_problems(self)
         if problems:
             raise LayoutError(" ".join(problems))
-        others = self.dp_replicate * self.cp * self.tp
+        if w % self.pp:
+            raise LayoutError(
+                f"parallelism.pp = {self.pp} does not divide the world size {w} (NNODES x NGPU): every pipeline "
+                f"stage needs the same ranks; pick pp in {_divisors(w)}"
+            )
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        # pp is named only when it is on, so a run without pipelining reads the familiar product.
+        pp_name, pp_value = ("pp x ", f"{self.pp} x ") if self.pp > 1 else ("", "")
         if self.dp_shard == -1:
             if w % others:
                 raise LayoutError(
-                    f"cannot infer parallelism.dp_shard: dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x "
-                    f"{self.tp} = {others} does not divide the world size {w} (NNODES x NGPU); pick parallelism degrees "
-                    f"whose product divides {w} (divisors: {_divisors(w)})"
+                    f"cannot infer parallelism.dp_shard: {pp_name}dp_replicate x cp x tp = {pp_value}{self.dp_replicate} x "
+                    f"{self.cp} x {self.tp} = {others} does not divide the world size {w} (NNODES x NGPU); pick "
+                    f"parallelism degrees whose product divides {w} (divisors: {_divisors(w)})"
                 )
             self.dp_shard = w // others
         product = others * self.dp_shard
         if product != w:
             fit = f"dp_shard = {w // others}" if w % others == 0 else f"degrees whose product is {w}"
             raise LayoutError(
-                f"parallelism dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
-                f"{self.tp} = {product} != world size {w}; use {fit} (or dp_shard = -1 to infer it)"
+                f"parallelism {pp_name}dp_replicate x dp_shard x cp x tp = {pp_value}{self.dp_replicate} x "
+                f"{self.dp_shard} x {self.cp} x {self.tp} = {product} != world size {w}; use {fit} "
+                "(or dp_shard = -1 to infer it)"
             )
         block = self.dp_shard * self.cp
         if self.ep > 1 and block % self.ep:
@@ -122,10 +143,30 @@ class Layout:
                 "pick another name (default 'engram')"
             )
 
+    def _validate_pipeline(self) -> None:
+        """The schedule's stage and micro-batch needs (-1 resolved to the schedule's default)."""
+        if self.pp_stages_per_rank == -1:
+            self.pp_stages_per_rank = default_stages_per_rank(self.pp_schedule)
+        if self.pp_microbatches == -1:
+            self.pp_microbatches = default_microbatches(self.pp_schedule, self.pp, self.pp_stages_per_rank)
+        if self.pp == 1:
+            return
+        problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
+        problems += pp_layout_problems(self.pp_layout, self.pp_stages)
+        if problems:
+            raise LayoutError("; ".join(problems))
+
     # ----------------------------------------------------------------- what must divide what
     def check_batch(self, local_batch_size: int, global_batch_size: int) -> int:
         """The gradient-accumulation steps of one optimizer step (global_batch_size -1 = one
-        micro-batch per data-parallel rank)."""
+        micro-batch per data-parallel rank). Under pp each accumulation micro-batch is one
+        schedule run that cuts its rows into ``pp_microbatches``, which must divide them."""
+        if self.pp_enabled and local_batch_size % self.pp_microbatches:
+            raise LayoutError(
+                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide training.local_batch_size = "
+                f"{local_batch_size} (each local batch is one pipeline run); pick pp_microbatches in "
+                f"{[d for d in _divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
+            )
         per_step = local_batch_size * self.dp_degree
         if global_batch_size == -1:
             return 1
@@ -174,7 +215,22 @@ class Layout:
         if problems:
             raise LayoutError("; ".join(problems))
 
+    def check_stages(self, n_layers: int, mtp_depth: int) -> None:
+        """The pipeline's stages fit the model's blocks (the model's sizes need torch: the trainer
+        checks this, before any work)."""
+        if self.pp_enabled:
+            split_stages(n_layers, mtp_depth, self.pp_stages, self.pp_layout)
+
     # ----------------------------------------------------------------- degrees
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: pp x pp_stages_per_rank."""
+        return self.pp * self.pp_stages_per_rank
+
     @property
     def efsdp(self) -> int:
         """Expert FSDP degree: dp_shard x cp / ep."""
@@ -256,12 +312,16 @@ class Layout:
         return self.loss_degree > 1
 
     def describe(self) -> str:
-        parts = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
+        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")]
         if self.ep_as_cp:
             parts.append("ep_as_cp")
-        return f"world size {self.world_size} = " + " x ".join(parts[:4]) + " | " + ", ".join(parts[4:]) + (
+        pipeline = (
+            f" | pipeline {self.pp_schedule}, {self.pp_stages} stages, {self.pp_microbatches} micro-batches"
+            if self.pp_enabled else ""
+        )
+        return f"world size {self.world_size} = " + " x ".join(parts[:5]) + " | " + ", ".join(parts[5:]) + (
             f" | data-parallel {self.dp_degree}, fsdp {self.fsdp_degree}, efsdp {self.efsdp}"
-        ) + (f", engram {self.engram}" if self.engram_enabled else "")
+        ) + (f", engram {self.engram}" if self.engram_enabled else "") + pipeline
 
     @classmethod
     def from_config(cls, parallelism, world_size: int, engram=None):
@@ -278,6 +338,11 @@ class Layout:
             world_size=world_size,
             engram=engram.embedding_parallel_degree if use_engram else 1,
             engram_mesh_name=engram.mesh_name if use_engram else "engram",
+            pp=p.pp,
+            pp_schedule=p.pp_schedule,
+            pp_stages_per_rank=p.pp_stages_per_rank,
+            pp_microbatches=p.pp_microbatches,
+            pp_layout=p.pp_layout,
         )
 
     @classmethod

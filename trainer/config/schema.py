@@ -33,6 +33,7 @@ from trainer.config.fields import (
 )
 from trainer.config.combinations import combination_problems, combination_warnings
 from trainer.config.layout import degree_problems
+from trainer.config.pipeline_layout import PP_SCHEDULES
 
 
 @dataclass
@@ -348,6 +349,15 @@ class Parallelism(Section):
     cp: int = _field(1, "Context-parallel degree")
     ep: int = _field(1, "Expert-parallel degree (borrows ranks from dp_shard x cp)")
     ep_as_cp: bool = _field(False, "Shard the sequence over the expert dim outside the MoE exchange")
+    pp: int = _field(1, "Pipeline-parallel degree, the outermost dim: world = pp x dp_replicate x dp_shard x cp x tp")
+    pp_schedule: str = _field("1F1B", "Pipeline schedule of torch.distributed.pipelining", choices=PP_SCHEDULES)
+    pp_stages_per_rank: int = _field(-1, "Pipeline stages per rank; -1 = 1 for GPipe/1F1B, else 2 (V schedules need 2)")
+    pp_microbatches: int = _field(
+        -1, "Pipeline micro-batches per step; -1 = the fewest that fill the pipeline (pp, or all stages for V schedules)"
+    )
+    pp_layout: str = _field(
+        "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
+    )
     fsdp_reshard_after_forward: str = _field(
         "default",
         "Free gathered FSDP params after forward: default = all but the root unit",

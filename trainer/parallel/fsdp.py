@@ -74,6 +74,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
     ignored_params: set[nn.Parameter] | None = None,
+    root_runs_forward: bool = True,
 ) -> None:
     """Shards ``model`` in place.
 
@@ -83,6 +84,9 @@ def apply_fsdp(
             are sharded with their block on ``dense_mesh``.
         reshard_after_forward: "default" (all but the root), "always", "never".
         ignored_params: parameters FSDP leaves alone (plain fp32 tensors, never gathered).
+        root_runs_forward: False for a pipeline stage, whose model's own forward never runs (the
+            stage calls its parts): the embedding, the norm and the head become units of their
+            own, since only a unit's forward gathers its parameters.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
@@ -110,13 +114,25 @@ def apply_fsdp(
         )
         _set_sum_reduction(block)
         units.append(block)
+    if not root_runs_forward:
+        # One unit each: a unit whose forward runs without the root's becomes a root itself,
+        # and FSDP refuses a root of several modules.
+        for part in (model.embed, model.norm, model.head):
+            if part is not None:
+                fully_shard(
+                    part, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False),
+                    mp_policy=mp, ignored_params=ignored_params,
+                )
+                _set_sum_reduction(part)
     fully_shard(
         model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp,
         ignored_params=ignored_params,
     )
     _set_sum_reduction(model)
 
-    if expert_mesh is not None:
+    if expert_mesh is not None and root_runs_forward:
+        # (Without the root's forward each unit initialises as a root of its own, and FSDP can
+        # prefetch only units initialised under the same root.)
         # With EP the block's all-to-alls (and their host read of the split sizes) come before
         # the next block's all-gathers: fetch the next block (and its experts, where they are a
         # unit of their own) explicitly so the gathers overlap the exchange (implicit prefetch

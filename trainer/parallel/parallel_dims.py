@@ -12,15 +12,17 @@ API (the only way other code gets process groups):
     dims.dp_enabled, dims.fsdp_enabled, dims.ep_enabled, dims.cp_enabled, dims.tp_enabled, ...
     dims.dp_degree, dims.loss_degree, dims.efsdp, dims.context_degree
 
-Rank layout. The world is the row-major grid ``[dp_replicate, dp_shard, cp, tp]`` (tp fastest,
-so TP stays inside a node). Expert parallelism borrows ranks from the ``dp_shard x cp`` block:
+Rank layout. The world is the row-major grid ``[pp, dp_replicate, dp_shard, cp, tp]`` (tp fastest,
+so TP stays inside a node; pp slowest, so stages talk across nodes). Every mesh below except
+"world" and "pp" lives inside one pipeline stage's ranks: each stage has its own groups. Expert parallelism borrows ranks from the ``dp_shard x cp`` block:
 that block (flattened, cp fastest) is re-read as ``[efsdp, ep]`` with ep fastest, i.e. the
 expert grid is ``[dp_replicate, efsdp, ep, tp]`` over the same ranks. So with ep == cp the
 ep group is exactly the cp group, and with cp == 1 the ep group is ``ep`` consecutive
 dp_shard ranks.
 
 Mesh names (``mesh(name)``):
-    "world"         the root grid [dp_replicate, dp_shard, cp, tp] (4-D)
+    "world"         the root grid [pp, dp_replicate, dp_shard, cp, tp] (5-D)
+    "pp"            pipeline parallel: the ranks holding the stages of one pipeline
     "dp_replicate"  HSDP replicate dim
     "dp_shard"      FSDP shard dim without cp
     "cp", "tp"      context / tensor parallel
@@ -76,12 +78,12 @@ class ParallelDims(Layout):
 
         world = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
         m = self._meshes
         m["world"] = world
-        for name in ("dp_replicate", "dp_shard", "cp", "tp"):
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
             m[name] = world[name]
         m["fsdp"] = world["dp_shard", "cp"]._flatten("fsdp")
         m["loss"] = world["dp_replicate", "dp_shard", "cp"]._flatten("loss")
@@ -89,8 +91,8 @@ class ParallelDims(Layout):
         # slicing a flattened dim together with a root dim is deprecated from torch 2.11.
         dense = DeviceMesh(
             device_type,
-            world.mesh.reshape(self.dp_replicate, self.fsdp_degree, self.tp),
-            mesh_dim_names=("dp_replicate", "fsdp", "tp"),
+            world.mesh.reshape(self.pp, self.dp_replicate, self.fsdp_degree, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"),
         )
         m["hsdp"] = dense["dp_replicate", "fsdp"]
         if not self.ep_as_cp:
@@ -100,8 +102,8 @@ class ParallelDims(Layout):
         # mesh: its groups are distinct from the world mesh's).
         sparse = DeviceMesh(
             device_type,
-            world.mesh.reshape(self.dp_replicate, self.efsdp, self.ep, self.tp),
-            mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
+            world.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
         )
         m["sparse"] = sparse
         m["ep"] = sparse["ep"]
@@ -116,8 +118,8 @@ class ParallelDims(Layout):
             name, rep = self.engram_mesh_name, self.engram_replicate_mesh_name
             grid = DeviceMesh(
                 device_type,
-                world.mesh.reshape(self.loss_degree // self.engram, self.engram, self.tp),
-                mesh_dim_names=(rep, name, "tp"),
+                world.mesh.reshape(self.pp, self.loss_degree // self.engram, self.engram, self.tp),
+                mesh_dim_names=("pp", rep, name, "tp"),
             )
             m[name], m[rep] = grid[name], grid[rep]
 

@@ -30,6 +30,7 @@ from trainer.parallel.engram_parallel import (
 from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp, one_process_mesh
 from trainer.parallel.parallel_dims import ParallelDims
+from trainer.parallel.pipeline import PipelineStep, activation_meta, local_stage_specs, split_model
 from trainer.parallel.step import ParallelStep
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
 from trainer.parallel.weight_init import init_model_weights
@@ -55,6 +56,12 @@ def parallelize_model(
     dims, p = parallel_dims, cfg.parallelism
     if dims.world_size > 1:
         dims.build_meshes(device_type)
+    specs = None
+    if dims.pp_enabled:  # PP first: every later step sees only this rank's stages
+        specs = local_stage_specs(dims, model.args.n_layers, model.args.mtp_depth)
+        split_model(model, specs)
+        if engram_hasher is not None:  # this rank hashes for its own Engram layers only
+            engram_hasher = engram_hasher.select(model.engram_layer_ids)
     if cfg.quantize.float8:
         # Model converters come first, so every parallelism wraps the converted modules.
         from trainer.quantize import check_float8_support, convert_to_float8
@@ -98,6 +105,7 @@ def parallelize_model(
                 param_dtype=DTYPES[cfg.training.mixed_precision_param],
                 reduce_dtype=torch.float32,
                 reshard_after_forward=p.fsdp_reshard_after_forward,
+                root_runs_forward=specs is None,
             )
     one_process_fsdp = dims.world_size == 1 and cfg.training.mixed_precision_param == "bfloat16"
     if one_process_fsdp:
@@ -113,9 +121,17 @@ def parallelize_model(
             reshard_after_forward="never",
             ignored_params=set(engram_table_params(model)),
         )
-    step = ParallelStep(
-        model, dims, context_parallel, keep_weights_between_microbatches=one_process_fsdp, engram_hasher=engram_hasher
-    )
+    if specs is not None:
+        param_dtype = DTYPES[cfg.training.mixed_precision_param] if dims.data_parallel_enabled else None
+        activation = activation_meta(cfg, dims, model.args.dim, param_dtype)
+        step = PipelineStep(
+            model, dims, specs, activation, context_parallel=context_parallel, engram_hasher=engram_hasher
+        )
+    else:
+        step = ParallelStep(
+            model, dims, context_parallel, keep_weights_between_microbatches=one_process_fsdp,
+            engram_hasher=engram_hasher,
+        )
     return model, step
 
 

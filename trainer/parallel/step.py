@@ -145,9 +145,48 @@ class ParallelStep:
         """The plain (replicated) value of a loss computed under ``loss_context``."""
         return replicated_value(t)
 
+    def aux_scale(self, n_micro: int) -> float:
+        """What turns each forward's balance loss (a per-rank mean) into its share of the global mean."""
+        return 1.0 / (n_micro * self.loss_degree)
+
+    def forward_backward(self, micro: list[MicroBatch], objective: Callable, autocast: Callable) -> tuple:
+        """Forward and backward of every micro-batch. ``objective(out, mb, aux_scale)`` gives
+        (the tensor to differentiate, its cross-entropy and MTP terms); returns this rank's sums
+        of those two terms (detached)."""
+        loss_total = torch.zeros((), device=micro[0].labels.device)
+        mtp_total = torch.zeros((), device=micro[0].labels.device)
+        aux_scale = self.aux_scale(len(micro))
+        for mb in self.microbatches(micro):
+            with autocast():
+                out = self.model(mb.inputs, labels=mb.labels, **mb.model_kwargs)
+                loss, ce, mtp = objective(out, mb, aux_scale)
+            loss.backward()
+            loss_total += self.value(ce.detach())
+            mtp_total += self.value(mtp.detach())
+        return loss_total, mtp_total
+
+    def eval_loss_sum(
+        self, inputs: torch.Tensor, labels: torch.Tensor, autocast: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count for
+        one full batch, so that ``step_sum`` of them over the ranks gives the global ones."""
+        mb = self.prepare_batch(inputs, labels)
+        with autocast(), self.loss_context():
+            logits = self.model(mb.inputs, **mb.model_kwargs).logits
+            loss_sum = self.value(cross_entropy_sum(logits, mb.labels))
+        return loss_sum, count_valid(mb.labels)
+
+    def per_stage(self, name: str, value: float) -> dict[str, float]:
+        """A per-rank figure (peak memory) for the metrics: this rank's."""
+        return {name: value}
+
     def reduce_losses(self, *losses: torch.Tensor) -> torch.Tensor:
         """Sums of this rank's step losses over all ranks, stacked."""
-        return self.global_sum(torch.stack(losses))
+        return self.step_sum(torch.stack(losses))
+
+    def step_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum of a step value (loss, validation sums) over every rank holding a share of it."""
+        return self.global_sum(tensor)
 
     def finish_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Makes every gradient final (TP partial sums, Engram table replicas) and clips them by
