@@ -80,7 +80,7 @@ def test_two_nodes_train_and_validate_like_one_process(tmp_path):
         assert p.returncode == 0, out[-5000:]
     # The c10d rendezvous hands out node ranks in arrival order: global rank 0 (the one that logs)
     # may be on either "node".
-    header = "world size 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | ep 2, ep_as_cp"
+    header = "world size 4 = pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | ep 2, ep_as_cp"
     assert any(header in out for out in outs), [out[-3000:] for out in outs]
     records, expected = _records(latest_run_folder(tmp_path / "run")), _records(reference.run_dir)
     assert [r["step"] for r in records if "loss" in r] == [1, 2], records  # one writer: rank 0
