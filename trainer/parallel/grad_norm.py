@@ -95,6 +95,12 @@ def grad_norm(
     return all_reduce_sum(total, pp).sqrt().float()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients with global norm ``norm`` are multiplied by to clip them to ``max_norm``
+    (1.0 when under the limit). No host sync: the coefficient stays a tensor."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
@@ -108,7 +114,6 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm = grad_norm(params, row_sharded, row_group, pp)
     if math.isfinite(max_norm) and params:
-        # No host sync: the coefficient stays a tensor (1.0 when under the limit).
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = clip_coefficient(norm, max_norm)
         torch._foreach_mul_([local_tensor(p.grad) for p in params], coef.to(local_tensor(params[0].grad).device))
     return norm

@@ -40,6 +40,7 @@ from models.deepseek_v3.model import ModelOutput
 from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageSpec, rank_stages, split_stages
 from trainer.loss import count_valid, cross_entropy_sum
 from trainer.parallel.distributed import all_reduce_sum, local_tensor
+from trainer.parallel.grad_norm import clip_coefficient
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.step import MicroBatch, ParallelStep
 
@@ -257,7 +258,7 @@ class PipelineStep(ParallelStep):
             return super().finish_grads(params, max_norm)
         norm = super().finish_grads([p for p in params if p is not embed], max_norm)
         if max_norm > 0:
-            local_tensor(embed.grad).mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+            local_tensor(embed.grad).mul_(clip_coefficient(norm, max_norm))
         return norm
 
 
