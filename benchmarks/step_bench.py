@@ -46,21 +46,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import trainer.train as train_module  # noqa: E402
 from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
 from models.deepseek_v3 import get_flavor  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.data import build_tokenizer  # noqa: E402
 from trainer.memory import estimate  # noqa: E402
 from trainer.mixed_precision import weight_cast_bytes  # noqa: E402
 from trainer.profiling import profile_step  # noqa: E402
-from trainer.train import Trainer  # noqa: E402
+from trainer.runtime import resolve_path  # noqa: E402
+from trainer.train import Trainer, build_model_args  # noqa: E402
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "
@@ -115,19 +115,14 @@ def build_trainer(name: str, a, folder: Path) -> Trainer:
         argv.append("--quantize.float8_experts")
     if a.peak_flops:
         argv += ["--metrics.peak_flops", str(a.peak_flops)]
-    build_args = train_module.build_model_args
-
-    def overridden_model_args(*args, **kwargs):
-        return apply_overrides(build_args(*args, **kwargs), a.model_override)
-
-    # The overrides apply after the trainer derived its model args from the config (vocabulary,
-    # seq_len, MoE options), so they win over both; the trainer's FLOPs and memory use the result.
+    cfg = load_config(argv)
+    tokenizer = build_tokenizer(resolve_path(cfg.model.tokenizer_path))
+    # The overrides apply after the config's model args (vocabulary, seq_len, MoE options), so
+    # they win over both; the trainer's FLOPs and memory use the result.
+    model_args = apply_overrides(build_model_args(cfg, tokenizer.vocab_size, tokenizer.eos_id), a.model_override)
     # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
-    patched = mock.patch.object(train_module, "build_model_args", overridden_model_args)
-    with contextlib.redirect_stdout(sys.stderr), patched:
-        trainer = Trainer(load_config(argv))
-    trainer.train_iter = iter(trainer.train_loader)
-    return trainer
+    with contextlib.redirect_stdout(sys.stderr):
+        return Trainer(cfg, model_args)
 
 
 def state_bytes(trainer: Trainer) -> int:
