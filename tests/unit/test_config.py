@@ -69,6 +69,16 @@ def test_default_choices_are_valid():
             assert choices is None or f.default in choices, f"{section}.{f.name}"
 
 
+def test_model_choices_match_the_model_code():
+    # models/ keeps its own lists (it never imports trainer/, and the config never imports torch).
+    from models.common.attention import ATTN_BACKENDS, ATTN_MASK_TYPES
+    from trainer.config import Model
+
+    hints = typing.get_type_hints(Model)
+    assert choices_of(hints["attn_backend"]) == ATTN_BACKENDS
+    assert choices_of(hints["attn_mask_type"]) == ATTN_MASK_TYPES
+
+
 def test_defaults_match_contract():
     cfg = load_config([])
     assert cfg == JobConfig()

@@ -318,6 +318,9 @@ class Checkpoint(Section):
         )
 
 
+ReshardPolicy = Literal["default", "always", "never"]
+
+
 @dataclass
 class Parallelism(Section):
     dp_replicate: int = option(1, "Data-parallel replicas (HSDP replicate dim)")
@@ -335,7 +338,7 @@ class Parallelism(Section):
     pp_layout: str = option(
         "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
     )
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = option(
+    fsdp_reshard_after_forward: ReshardPolicy = option(
         "default",
         "Free gathered FSDP params after forward: default = all but the root unit",
     )
@@ -344,9 +347,12 @@ class Parallelism(Section):
         return degree_problems(self)
 
 
+ACMode = Literal["none", "full", "selective", "op"]
+
+
 @dataclass
 class ActivationCheckpoint(Section):
-    mode: Literal["none", "full", "selective", "op"] = option("none", "Activation checkpointing")
+    mode: ACMode = option("none", "Activation checkpointing")
     selective_every: int = option(2, "In selective mode, checkpoint every N-th block")
 
     def problems(self) -> list[str]:
