@@ -216,8 +216,8 @@ class Layout:
             raise LayoutError("; ".join(problems))
 
     def check_stages(self, n_layers: int, mtp_depth: int) -> None:
-        """The pipeline's stages fit the model's blocks (the model's sizes need torch: the trainer
-        checks this, before any work)."""
+        """The pipeline's stages fit the model's blocks (the pre-launch check and the trainer
+        check this, before any work)."""
         if self.pp_enabled:
             split_stages(n_layers, mtp_depth, self.pp_stages, self.pp_layout)
 
