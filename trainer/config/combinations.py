@@ -71,12 +71,6 @@ def combination_problems(cfg: Any) -> list[str]:
             "torch.distributed.pipelining refuses for compiled stages; use --parallelism.pp_schedule Interleaved1F1B "
             "(or 1F1B) with --training.compile, or drop --training.compile."
         )
-    if p.pp > 1 and (p.cp > 1 or p.ep_as_cp) and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-        problems.append(
-            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, and "
-            "with context parallelism (parallelism.cp > 1 or ep_as_cp) its gradients are not yet those of one "
-            "process; use --parallelism.pp_schedule 1F1B or Interleaved1F1B with context parallelism."
-        )
     return problems
 
 
