@@ -2,9 +2,9 @@
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
 whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
-TP/CP splits do not divide, a dump folder
-that cannot be created, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
-second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
+TP/CP splits do not divide, a dump folder that cannot be created, with `--free-port` a
+single-node MASTER_PORT that is taken) fails in a second with one `config error: ...` line and
+exit code 2, instead of in every rank's traceback.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`).
 Torch-free.
 """

@@ -278,7 +278,8 @@ def _kwargs_chunk_spec(kwargs: dict) -> dict:
     """How the schedule cuts each keyword input into micro-batches: by rows, except what every
     sequence shares, which each micro-batch gets whole: a context shard's positions (one per
     token of the shard) and an attention mask broadcast over the batch (torch cuts a BlockMask
-    with one row that way itself)."""
+    with one row that way itself). torch has no public spec for an input every micro-batch gets
+    whole: `_Replicate` is private, passed as the class, which old and new torch versions accept."""
     spec = {name: TensorChunkSpec(0) for name in kwargs}
     if "positions" in kwargs:
         spec["positions"] = _Replicate
