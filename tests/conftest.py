@@ -4,10 +4,14 @@ Set at import time (before torch/datasets read them) and shared by every test in
 session, so compile tests pay for inductor compilation once per run.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 _CACHE_ROOT = tempfile.mkdtemp(prefix="dsv3-tests-")
+# Removed when the session ends: a compiling session leaves tens of MB of kernels behind.
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
