@@ -30,12 +30,12 @@ COMMON = [
     "--metrics.log_freq", "1", "--validation.steps", "2", "--job.print_config=false",
 ]
 # Warmup over steps 1-5 and no decay: steps 1-5 have the same LR in a 5-step and a 10-step run, so
-# a layout with a 10-step checkpointed run (STRAIGHT) checks its parity on that run's first five
-# steps instead of a launch of its own.
-SCHEDULE = ["--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0", "--validation.freq", "5"]
-PARITY = [*COMMON, *SCHEDULE, "--training.steps", "5"]
+# the layouts with a 10-step checkpointed run (STRAIGHT, the resume tests' sources) check their
+# parity on that run's first five steps and validations instead of a launch of their own.
+SCHEDULE = ["--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0"]
+PARITY = [*COMMON, *SCHEDULE, "--training.steps", "5", "--validation.freq", "5"]
 RESUME = [
-    *COMMON, *SCHEDULE, "--training.steps", "10",
+    *COMMON, *SCHEDULE, "--training.steps", "10", "--validation.freq", "5",
     "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
 ]
 STRAIGHT = ("single", "fsdp_2", "pp_2")
