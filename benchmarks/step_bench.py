@@ -48,19 +48,14 @@ import time
 from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-import trainer.train as train_module  # noqa: E402
-from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
-from models.deepseek_v3 import get_flavor  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.memory import estimate  # noqa: E402
-from trainer.mixed_precision import weight_cast_bytes  # noqa: E402
-from trainer.profiling import profile_step  # noqa: E402
-from trainer.train import Trainer  # noqa: E402
+import trainer.train as train_module
+from models.deepseek_v3 import get_flavor
+from trainer.config import load_config
+from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_step, weight_cast_bytes
+from trainer.memory import estimate
+from trainer.train import Trainer
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "

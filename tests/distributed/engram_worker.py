@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_modules
 from trainer.loss import cross_entropy_sum
-from trainer.parallel.distributed import init_local_gloo
+from trainer.diagnostics import init_local_gloo
 from trainer.parallel.engram_parallel import table_row_ranges
 from trainer.parallel.weight_init import global_name
 

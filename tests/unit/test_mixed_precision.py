@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.config import load_config
-from trainer.mixed_precision import weight_cast_bytes
+from trainer.diagnostics import weight_cast_bytes
 from trainer.train import Trainer
 
 

@@ -36,6 +36,6 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     a = json.loads((tmp_path / "A.json").read_text())
     assert a["variants"]["eager"]["kernel_launches"] > 0
     assert (tmp_path / "traces" / "eager_step0.json").exists()
-    # bf16 on one process: FSDP2 casts each weight once per step (trainer/mixed_precision.py).
+    # bf16 on one process: FSDP2 casts each weight once per step (trainer/diagnostics/weight_casts.py).
     assert json.loads((tmp_path / "E.json").read_text())["variants"]["eager"]["weight_cast_bytes"] > 0
     assert "eager_float8" in json.loads((tmp_path / "D.json").read_text())["skipped"]
