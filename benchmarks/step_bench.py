@@ -66,6 +66,9 @@ VARIANTS = {
     "compile": ["--training.compile"],
     "eager_float8": ["--quantize.float8"],
     "compile_float8": ["--training.compile", "--quantize.float8"],
+    # One-process bf16 cast policy (docs/performance.md): "eager"/"compile" are FSDP2's cast.
+    "eager_autocast": ["--training.one_process_cast", "autocast"],
+    "compile_autocast": ["--training.compile", "--training.one_process_cast", "autocast"],
     # Optimizers (docs/optimizers.md): AdamW fp32 is "eager".
     "adamw_bf16": ["--optimizer.state_dtype", "bfloat16"],
     "muon": ["--optimizer.name", "muon"],

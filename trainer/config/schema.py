@@ -140,6 +140,11 @@ class Training(Section):
         "bfloat16", "Dtype of parameters in forward/backward (master weights stay fp32)",
         choices=("bfloat16", "float32"),
     )
+    one_process_cast: str = _field(
+        "fsdp", "One process, bfloat16: fsdp = FSDP2 casts each weight once per step; autocast = plain autocast "
+        "casts at every use, no process group (benchmarks/step_bench.py compares them, docs/performance.md)",
+        choices=("fsdp", "autocast"),
+    )
     max_norm: float = _field(1.0, "Gradient clipping max norm; 0 = no clipping")
     device: str = _field(
         "auto", "Device type; auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda")
