@@ -175,7 +175,10 @@ class Trainer:
             tok = self.tokenizer
             compression = build_token_compression(lambda i: tok.decode([i]), tok.vocab_size, tok.pad_id)
             hasher = NgramHasher(self.model_args.engram, compression, model.engram_layer_ids).to(self.device)
-        model, self.parallel = parallelize_model(model, self.parallel_dims, cfg, self.device.type, hasher)
+        model, self.parallel = parallelize_model(
+            model, self.parallel_dims, cfg.parallelism, t, cfg.activation_checkpoint, cfg.quantize, cfg.engram,
+            self.device.type, hasher,
+        )
         materialize(model, self.device, t.seed)
         model.train()
         if model.engram_layer_ids:  # (a pipeline rank may hold none)

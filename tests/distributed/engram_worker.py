@@ -266,7 +266,10 @@ def run_checkpoint(
         with torch.device("meta"):
             model = DeepSeekV3Model(reference.args)
         hasher = build_hasher()
-        _, parallel = parallelize_model(model, dims, cfg, "cpu", hasher)
+        _, parallel = parallelize_model(
+            model, dims, cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.quantize, cfg.engram, "cpu",
+            hasher,
+        )
         model.to_empty(device="cpu")
         model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
         load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights

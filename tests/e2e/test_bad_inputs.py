@@ -68,7 +68,7 @@ def assert_refused(proc, seconds, ngpu, *names, prelaunch):
         (1, ["--parallelism.data_parallel_shard_degree", "2"], ["did you mean --parallelism.dp_shard?"]),
         (1, ["--training.dataset_path", "x.jsonl"], ["training.dataset_path = 'x.jsonl' is ignored"]),
         (2, ["--training.dataset_path", "x.jsonl"], ["training.dataset_path = 'x.jsonl' is ignored"]),
-        (2, ["--parallelism.expert_parallel_comm_backend", "deepep"], ["parallelism.expert_parallel_comm_backend"]),
+        (2, ["--parallelism.pp_schedule", "1f1b"], ["parallelism.pp_schedule = '1f1b'", "GPipe, 1F1B", "'1F1B'?"]),
     ],
 )
 def test_config_mistakes_fail_before_launch(tmp_path, ngpu, args, names):

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from trainer.config import ConfigError, JobConfig, Section, _field, _sections, format_help, load_config
+from trainer.config import ConfigError, JobConfig, Section, format_help, from_dict, load_config, option, sections_of
+from trainer.config.fields import choices_of
 
 try:
     import tomllib
@@ -21,7 +22,7 @@ def write(tmp_path, text, name="cfg.toml"):
 
 
 def all_fields(config_cls=JobConfig):
-    for section, section_cls in _sections(config_cls).items():
+    for section, section_cls in sections_of(config_cls).items():
         for f in dataclasses.fields(section_cls):
             yield section, f
 
@@ -30,9 +31,9 @@ def all_fields(config_cls=JobConfig):
 # line" extension path without adding list fields to the real config.
 @dataclass
 class ListSection(Section):
-    layer_ids: list[int] = _field([1, 15], "Layers that get a module")
-    names: list[str] = _field([], "Names")
-    ratios: list[float] | None = _field(None, "Optional ratios")
+    layer_ids: list[int] = option([1, 15], "Layers that get a module")
+    names: list[str] = option([], "Names")
+    ratios: list[float] | None = option(None, "Optional ratios")
 
 
 @dataclass
@@ -52,7 +53,7 @@ def test_every_field_has_default_and_help():
 
 def test_none_able_fields_default_to_none():
     # to_toml drops None values (TOML has no null); round-trip relies on this invariant.
-    for section, section_cls in _sections(JobConfig).items():
+    for section, section_cls in sections_of(JobConfig).items():
         hints = typing.get_type_hints(section_cls)
         for f in dataclasses.fields(section_cls):
             if type(None) in typing.get_args(hints[f.name]):
@@ -61,9 +62,21 @@ def test_none_able_fields_default_to_none():
 
 def test_default_choices_are_valid():
     JobConfig().validate()
-    for section, f in all_fields():
-        if "choices" in f.metadata:
-            assert f.default in f.metadata["choices"], f"{section}.{f.name}"
+    for section, section_cls in sections_of(JobConfig).items():
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            choices = choices_of(hints[f.name])
+            assert choices is None or f.default in choices, f"{section}.{f.name}"
+
+
+def test_model_choices_match_the_model_code():
+    # models/ keeps its own lists (it never imports trainer/, and the config never imports torch).
+    from models.common.attention import ATTN_BACKENDS, ATTN_MASK_TYPES
+    from trainer.config import Model
+
+    hints = typing.get_type_hints(Model)
+    assert choices_of(hints["attn_backend"]) == ATTN_BACKENDS
+    assert choices_of(hints["attn_mask_type"]) == ATTN_MASK_TYPES
 
 
 def test_defaults_match_contract():
@@ -77,7 +90,7 @@ def test_defaults_match_contract():
     assert cfg.lr_scheduler.decay_ratio is None
     assert cfg.parallelism.dp_shard == -1
     assert cfg.activation_checkpoint.mode == "none"
-    assert set(_sections(JobConfig)) == {
+    assert set(sections_of(JobConfig)) == {
         "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics",
         "validation", "checkpoint", "parallelism", "activation_checkpoint", "profiling", "quantize",
     }
@@ -399,7 +412,7 @@ def test_validate_reports_all_problems_at_once():
 def test_new_section_brings_its_own_checks():
     @dataclass
     class Checked(Section):
-        n: int = _field(1, "A count")
+        n: int = option(1, "A count")
 
         def problems(self):
             return [] if self.n > 0 else [f"checked.n must be > 0, got {self.n}."]
@@ -410,6 +423,32 @@ def test_new_section_brings_its_own_checks():
 
     assert load_config(["--checked.n", "3"], config_cls=CheckedJobConfig).checked.n == 3
     assert "checked.n must be > 0, got 0" in error(["--checked.n", "0"], config_cls=CheckedJobConfig)
+
+
+def test_choices_come_from_the_literal_type(tmp_path):
+    @dataclass
+    class Picked(Section):
+        kind: typing.Literal["red", "green"] = option("red", "A colour")
+        maybe: typing.Literal["a", "b"] | None = option(None, "An optional choice")
+
+    @dataclass
+    class PickedJobConfig(JobConfig):
+        picked: Picked = field(default_factory=Picked)
+
+    assert "--picked.kind  {red,green}  (default: red)" in format_help(PickedJobConfig)
+    assert load_config(["--picked.kind", "green", "--picked.maybe", "b"], config_cls=PickedJobConfig).picked.maybe == "b"
+    assert error(["--picked.kind", "gren"], config_cls=PickedJobConfig) == (
+        "picked.kind = 'gren' is not allowed; choose one of red, green; did you mean 'green'?"
+    )
+    path = write(tmp_path, "[picked]\nkind = 3\n")
+    assert "picked.kind must be str, one of red, green, got int 3" in error(["--config", path], config_cls=PickedJobConfig)
+
+
+def test_removed_options_are_unknown_keys(tmp_path):
+    path = write(tmp_path, '[engram]\nmesh_name = "engram"\n')
+    assert f"{path}: unknown key engram.mesh_name" in error(["--config", path])
+    msg = error(["--parallelism.expert_parallel_comm_backend", "deepep"])
+    assert msg.startswith("unknown option --parallelism.expert_parallel_comm_backend") and "Valid keys in [parallelism]" in msg
 
 
 def test_validate_on_direct_construction():
@@ -474,7 +513,7 @@ def test_to_dict():
     assert d["training"]["steps"] == 12
     assert d["lr_scheduler"]["decay_ratio"] == 0.25
     assert d["job"]["config_file"] is None
-    assert JobConfig.from_dict(d) == customised()
+    assert from_dict(d) == customised()
 
 
 def test_to_toml_omits_none_and_parses():
@@ -487,7 +526,7 @@ def test_to_toml_omits_none_and_parses():
 
 def test_toml_round_trip(tmp_path):
     cfg = customised()
-    assert JobConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    assert from_dict(tomllib.loads(cfg.to_toml())) == cfg
 
     path = tmp_path / "run" / "config.toml"
     cfg.save_toml(path)

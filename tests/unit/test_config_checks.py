@@ -48,7 +48,6 @@ def test_torchtitan_names_point_to_ours(tmp_path, name, ours):
             ["validation.dataset_path = 'v.jsonl' is ignored by validation.dataset = 'shakespeare'"],
         ),
         (["--validation.dataset", "text"], ["validation.dataset = 'text' reads local files"]),
-        (["--parallelism.expert_parallel_comm_backend", "deepep"], ["'deepep' is not implemented", "all_to_all"]),
     ],
 )
 def test_ignored_inputs_are_refused(argv, words):

@@ -69,7 +69,6 @@ def test_engram_degree_splits_the_ranks_that_see_different_tokens():
     [
         (8, dict(tp=2, engram=8), ["embedding_parallel_degree = 8 must divide", "= 4 (tensor-parallel", "[1, 2, 4]"]),
         (6, dict(engram=4), ["dp_replicate x dp_shard x cp = 1 x 6 x 1 = 6", "[1, 2, 3, 6]", "-1 for all 6"]),
-        (4, dict(engram=2, engram_mesh_name="ep"), ["engram.mesh_name = 'ep' is already a mesh"]),
     ],
 )
 def test_impossible_engram_degrees_say_what_would_fit(world, kw, words):

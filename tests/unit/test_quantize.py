@@ -38,7 +38,11 @@ def _loss_and_grads(model, tokens):
 def test_float8_through_parallelize_converts_linears_but_not_router_or_head():
     cfg = load_config(["--quantize.float8", "--quantize.emulate", "--training.mixed_precision_param", "float32"])
     dims = ParallelDims.from_config(cfg.parallelism, 1)
-    model = _model(lambda m: parallelize_model(m, dims, cfg, "cpu"))
+    model = _model(
+        lambda m: parallelize_model(
+            m, dims, cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.quantize, cfg.engram, "cpu"
+        )
+    )
     from torchao.float8.float8_linear import Float8Linear
 
     plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]

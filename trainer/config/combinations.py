@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainer.config.fields import _cli_repr, _default
+from trainer.config.fields import cli_repr, default_of
 from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
@@ -117,7 +117,7 @@ def _value_and_default(cfg: Any, dotted: str) -> tuple[Any, Any]:
     section, _, key = dotted.partition(".")
     table = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(table)}
-    return getattr(table, key), _default(fields[key])
+    return getattr(table, key), default_of(fields[key])
 
 
 def combination_warnings(cfg: Any) -> list[str]:
@@ -132,7 +132,7 @@ def combination_warnings(cfg: Any) -> list[str]:
         for key in names:
             set_to, key_default = _value_and_default(cfg, f"{section}.{key}")
             if set_to != key_default:
-                warnings.append(f"{section}.{key} = {_cli_repr(set_to)} is ignored: {switch} is {_cli_repr(value)}.")
+                warnings.append(f"{section}.{key} = {cli_repr(set_to)} is ignored: {switch} is {cli_repr(value)}.")
     t = cfg.training
     if cfg.lr_scheduler.warmup_steps > t.steps:
         warnings.append(

@@ -1,6 +1,7 @@
-"""What a config field is: its declaration (`_field`), the `Section` base, and the type rules
-shared by the TOML loader, the command line and `--help` (conversion, type names, choices,
-did-you-mean). Torch-free."""
+"""What a config field is: its declaration (`option`), the `Section` base, and the type rules
+shared by the TOML loader, the command line and `--help` (conversion, type names, choices).
+A field with a fixed set of values is typed `Literal[...]`: the type is the one list of its
+choices, read by the check, the error messages and `--help`. Torch-free."""
 
 from __future__ import annotations
 
@@ -16,16 +17,15 @@ class ConfigError(ValueError):
     """A configuration problem the user must fix; the message names the key and the fix."""
 
 
-def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": help}
-    if choices is not None:
-        metadata["choices"] = choices
+def option(default: Any, help: str) -> Any:
+    """A section field: its default and the one-line doc that is also its `--help` text."""
+    metadata = {"help": help}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def _failed(*checks: tuple[bool, str]) -> list[str]:
+def failed_checks(*checks: tuple[bool, str]) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
@@ -43,17 +43,17 @@ FALSE_WORDS = ("false", "0", "no", "off")
 NONE_WORDS = ("none", "null")
 
 
-def _sections(config_cls: type) -> dict[str, type]:
+def sections_of(config_cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(config_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(config_cls)}
 
 
-def _options(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+def options_of(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
 
 
-def _default(f: dataclasses.Field) -> Any:
+def default_of(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
@@ -66,20 +66,31 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _base_type(tp: Any) -> Any:
+def base_type(tp: Any) -> Any:
     return _split_optional(tp)[0]
 
 
-def _type_name(tp: Any) -> str:
+def _scalar_type(tp: Any) -> Any:
+    # A choice converts as the type of its values; choice_problems then names a value not listed.
+    if typing.get_origin(tp) is typing.Literal:
+        value_types = {type(v) for v in typing.get_args(tp)}
+        if len(value_types) != 1:
+            raise TypeError(f"config field type {tp} is not supported: choices must share one type")
+        return value_types.pop()
+    return tp
+
+
+def type_name(tp: Any) -> str:
     base, optional = _split_optional(tp)
     if typing.get_origin(base) is list:
         name = f"list[{typing.get_args(base)[0].__name__}]"
     else:
-        name = base.__name__
+        name = _scalar_type(base).__name__
     return f"{name} or none" if optional else name
 
 
-def _scalar_from_toml(value: Any, tp: type) -> Any:
+def _scalar_from_toml(value: Any, tp: Any) -> Any:
+    tp = _scalar_type(tp)
     # bool is a subclass of int in Python but never a number in a config file.
     if tp is bool and isinstance(value, bool):
         return value
@@ -94,7 +105,7 @@ def _scalar_from_toml(value: Any, tp: type) -> Any:
     raise ValueError(value)
 
 
-def _from_toml(value: Any, tp: Any) -> Any:
+def from_toml(value: Any, tp: Any) -> Any:
     base, optional = _split_optional(tp)
     # TOML itself never yields None, but to_dict() output does.
     if optional and value is None:
@@ -107,7 +118,8 @@ def _from_toml(value: Any, tp: Any) -> Any:
     return _scalar_from_toml(value, base)
 
 
-def _scalar_from_cli(raw: str, tp: type) -> Any:
+def _scalar_from_cli(raw: str, tp: Any) -> Any:
+    tp = _scalar_type(tp)
     if tp is bool:
         if raw.lower() in TRUE_WORDS:
             return True
@@ -121,7 +133,7 @@ def _scalar_from_cli(raw: str, tp: type) -> Any:
     raise TypeError(f"config field type {tp} is not supported")
 
 
-def _from_cli(raw: str, tp: Any) -> Any:
+def from_cli(raw: str, tp: Any) -> Any:
     base, optional = _split_optional(tp)
     if optional and raw.strip().lower() in NONE_WORDS:
         return None
@@ -131,20 +143,22 @@ def _from_cli(raw: str, tp: Any) -> Any:
     return _scalar_from_cli(raw, base)
 
 
-def _did_you_mean(word: str, candidates: list[str], template: str) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {template.format(close[0])}?" if close else "."
+def choices_of(tp: Any) -> tuple[str, ...] | None:
+    """The allowed values of a `Literal[...]` field type (also under `| None`), else None."""
+    base = base_type(tp)
+    return typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
 
 
-def _choices_hint(f: dataclasses.Field) -> str:
-    return f", one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
+def choices_hint(tp: Any) -> str:
+    choices = choices_of(tp)
+    return f", one of {', '.join(choices)}" if choices else ""
 
 
-def _choice_problems(cfg: Any) -> list[str]:
+def choice_problems(cfg: Any) -> list[str]:
     problems = []
-    for section, section_cls in _sections(type(cfg)).items():
-        for key, (f, _) in _options(section_cls).items():
-            choices = f.metadata.get("choices")
+    for section, section_cls in sections_of(type(cfg)).items():
+        for key, (_, tp) in options_of(section_cls).items():
+            choices = choices_of(tp)
             value = getattr(getattr(cfg, section), key)
             if choices is None or value is None or value in choices:
                 continue
@@ -156,7 +170,7 @@ def _choice_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _cli_repr(value: Any) -> str:
+def cli_repr(value: Any) -> str:
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -164,30 +178,3 @@ def _cli_repr(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(str(v) for v in value) or '""'
     return str(value) if value != "" else '""'
-# torchtitan's names of options this trainer spells otherwise; spelling distance alone would
-# suggest the wrong key (expert_parallel_degree is closest to expert_parallel_comm_backend).
-FOREIGN_NAMES = {
-    "expert_parallel_degree": "parallelism.ep",
-    "tensor_parallel_degree": "parallelism.tp",
-    "context_parallel_degree": "parallelism.cp",
-    "data_parallel_shard_degree": "parallelism.dp_shard",
-    "data_parallel_replicate_degree": "parallelism.dp_replicate",
-}
-
-
-def _nearest_key(name: str, sections: dict[str, type]) -> str | None:
-    """The valid `section.key` closest to `name`, which may lack or misspell its section."""
-    foreign = FOREIGN_NAMES.get(name.rpartition(".")[2])
-    if foreign is not None:
-        return foreign
-    full_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _options(cls)]
-    nearest = difflib.get_close_matches(name, full_keys, n=1, cutoff=0.6)
-    if nearest:
-        return nearest[0]
-    by_key: dict[str, str] = {}
-    for full in full_keys:
-        by_key.setdefault(full.partition(".")[2], full)
-    close = difflib.get_close_matches(name.rpartition(".")[2], list(by_key), n=1, cutoff=0.6)
-    return by_key[close[0]] if close else None
-
-

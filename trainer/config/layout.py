@@ -11,6 +11,7 @@ The rank layout and the meshes built on it are described in trainer/parallel/par
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from trainer.config.fields import ConfigError
 from trainer.config.pipeline_layout import (
@@ -20,13 +21,6 @@ from trainer.config.pipeline_layout import (
     schedule_problems,
     split_stages,
 )
-
-# Meshes every multi-process layout builds; the Engram mesh must be named otherwise.
-MESH_NAMES = (
-    "world", "pp", "dp_replicate", "dp_shard", "cp", "tp", "fsdp", "hsdp", "dp", "loss", "ep", "efsdp", "ehsdp",
-    "sparse", "context",
-)
-
 
 class LayoutError(ConfigError):
     """Degrees that do not fit the world size or the model (found before any process-group work)."""
@@ -72,7 +66,8 @@ class Layout:
     ep_as_cp: bool
     world_size: int
     engram: int = 1
-    engram_mesh_name: str = "engram"
+    # The mesh the Engram table rows are split over (ParallelDims), with "<name>_replicate".
+    engram_mesh_name: ClassVar[str] = "engram"
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = -1
@@ -136,11 +131,6 @@ class Layout:
             raise LayoutError(
                 f"engram.embedding_parallel_degree = {self.engram} must divide {where}; pick one of "
                 f"{_divisors(tokens)}, or -1 for all {tokens}"
-            )
-        if self.engram > 1 and self.engram_mesh_name in MESH_NAMES:
-            raise LayoutError(
-                f"engram.mesh_name = {self.engram_mesh_name!r} is already a mesh of the layout; "
-                "pick another name (default 'engram')"
             )
 
     def _validate_pipeline(self) -> None:
@@ -337,7 +327,6 @@ class Layout:
             ep_as_cp=p.ep_as_cp,
             world_size=world_size,
             engram=engram.embedding_parallel_degree if use_engram else 1,
-            engram_mesh_name=engram.mesh_name if use_engram else "engram",
             pp=p.pp,
             pp_schedule=p.pp_schedule,
             pp_stages_per_rank=p.pp_stages_per_rank,

@@ -16,17 +16,22 @@ embedding and the head) and deals the equivalents out evenly, earlier stages tak
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 from trainer.config.fields import ConfigError
 
-# Schedules that run one stage per rank, several stages per rank in a loop (stage s on rank
-# s % pp), and the "V" schedules (rank r holds stages r and 2 pp - 1 - r, so the first and the
-# last stage share a rank).
+PPSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+PP_SCHEDULES: tuple[str, ...] = typing.get_args(PPSchedule)
+# Its families: schedules that run one stage per rank, several stages per rank in a loop (stage s
+# on rank s % pp), and the "V" schedules (rank r holds stages r and 2 pp - 1 - r, so the first and
+# the last stage share a rank).
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 # Split backward into input and weight passes: torch refuses compiled (OptimizedModule) stages.
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 

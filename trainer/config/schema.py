@@ -1,5 +1,6 @@
 """The configuration schema: one dataclass per TOML section, each field with its default and the
-one-line doc that is also its `--help` text (`metadata["help"]`; enums list `metadata["choices"]`).
+one-line doc that is also its `--help` text (`metadata["help"]`); a field with a fixed set of values
+is typed `Literal[...]`, the one list of its choices.
 
 Adding a section is one new `Section` dataclass plus one line in `JobConfig`; loading, overriding,
 validation (types, choices, the section's `problems()`), help and TOML export discover it.
@@ -12,64 +13,49 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomli_w
 
-from trainer.config.fields import (
-    FOREIGN_NAMES,
-    ConfigError,
-    Section,
-    _choice_problems,
-    _choices_hint,
-    _did_you_mean,
-    _failed,
-    _field,
-    _from_toml,
-    _nearest_key,
-    _options,
-    _sections,
-    _type_name,
-)
+from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.combinations import combination_problems, combination_warnings
 from trainer.config.layout import degree_problems
-from trainer.config.pipeline_layout import PP_SCHEDULES
+from trainer.config.pipeline_layout import PPSchedule
 
 
 @dataclass
 class Job(Section):
-    config_file: str | None = _field(None, "TOML config file to load (alias: --config)")
-    dump_folder: str = _field(
+    config_file: str | None = option(None, "TOML config file to load (alias: --config)")
+    dump_folder: str = option(
         "./outputs", "Where runs write (log, metrics, config): a fresh run into a new timestamped folder under it, "
         "a resumable run (checkpoint.enable) into it, with its checkpoints"
     )
-    description: str = _field("", "Free-text description of the run, recorded in the log")
-    print_config: bool = _field(True, "Print the resolved config at start")
+    description: str = option("", "Free-text description of the run, recorded in the log")
+    print_config: bool = option(True, "Print the resolved config at start")
 
 
 @dataclass
 class Model(Section):
-    name: str = _field("deepseek_v3", "Model family")
-    flavor: str = _field("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
-    tokenizer_path: str = _field("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
-    attn_backend: str = _field("sdpa", "Attention kernel", choices=("sdpa", "flex"))
-    attn_mask_type: str = _field(
+    name: str = option("deepseek_v3", "Model family")
+    flavor: str = option("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
+    tokenizer_path: str = option("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
+    attn_backend: Literal["sdpa", "flex"] = option("sdpa", "Attention kernel")
+    attn_mask_type: Literal["causal", "block_causal"] = option(
         "causal",
         "causal: one causal mask (what HF inference computes); block_causal: no attention across packed "
         "documents, so logits after an EOS differ from HF inference (docs/checkpoints.md)",
-        choices=("causal", "block_causal"),
     )
-    disable_yarn: bool = _field(
+    disable_yarn: bool = option(
         False, "Plain RoPE and softmax scale even if the flavor uses YaRN (changes what released weights compute)"
     )
-    use_grouped_mm: bool = _field(True, "Compute experts with grouped GEMM instead of a per-expert loop")
-    mtp_depth: int = _field(-1, "Multi-token-prediction depth; -1 = the flavor's, 0 disables MTP")
-    moe_aux_loss_alpha: float = _field(0.0, "Weight of the sequence-wise balance loss; 0 disables it")
-    moe_bias_update_speed: float = _field(0.001, "Aux-loss-free balancing bias step gamma; 0 disables it")
-    mtp_loss_weight: float = _field(0.3, "Weight lambda of the multi-token-prediction loss")
+    use_grouped_mm: bool = option(True, "Compute experts with grouped GEMM instead of a per-expert loop")
+    mtp_depth: int = option(-1, "Multi-token-prediction depth; -1 = the flavor's, 0 disables MTP")
+    moe_aux_loss_alpha: float = option(0.0, "Weight of the sequence-wise balance loss; 0 disables it")
+    moe_bias_update_speed: float = option(0.001, "Aux-loss-free balancing bias step gamma; 0 disables it")
+    mtp_loss_weight: float = option(0.3, "Weight lambda of the multi-token-prediction loss")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.mtp_depth >= -1, f"model.mtp_depth must be >= 0, or -1 for the flavor's, got {self.mtp_depth}."),
             (self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}."),
             (
@@ -85,25 +71,24 @@ class Model(Section):
 
 @dataclass
 class Engram(Section):
-    enable: bool = _field(False, "Add Engram conditional memory (hashed n-gram tables) to the model")
-    layer_ids: list[int] = _field([1], "Blocks that get an Engram module: 0-based block indices, ascending")
-    max_ngram: int = _field(3, "N: hash suffix n-grams of orders 2..N (also the short conv's dilation)")
-    heads_per_order: int = _field(8, "K: hash heads per n-gram order")
-    base_size: int = _field(262144, "Rows per hash head before rounding up to a prime (Engram-27B: 2262400)")
-    head_dim: int = _field(80, "D_h: width of one head's row; memory width = (N-1) x K x D_h")
-    seed: int = _field(0, "Seed of the hash multipliers (identical on every rank)")
-    lr_multiplier: float = _field(5.0, "Table learning rate = optimizer.lr x this")
-    weight_decay: float = _field(0.0, "Weight decay of the tables")
-    embedding_parallel_degree: int = _field(
+    enable: bool = option(False, "Add Engram conditional memory (hashed n-gram tables) to the model")
+    layer_ids: list[int] = option([1], "Blocks that get an Engram module: 0-based block indices, ascending")
+    max_ngram: int = option(3, "N: hash suffix n-grams of orders 2..N (also the short conv's dilation)")
+    heads_per_order: int = option(8, "K: hash heads per n-gram order")
+    base_size: int = option(262144, "Rows per hash head before rounding up to a prime (Engram-27B: 2262400)")
+    head_dim: int = option(80, "D_h: width of one head's row; memory width = (N-1) x K x D_h")
+    seed: int = option(0, "Seed of the hash multipliers (identical on every rank)")
+    lr_multiplier: float = option(5.0, "Table learning rate = optimizer.lr x this")
+    weight_decay: float = option(0.0, "Weight decay of the tables")
+    embedding_parallel_degree: int = option(
         1, "Ranks the table rows are split over (of those seeing different tokens); 1 = unsharded, -1 = all"
     )
-    mesh_name: str = _field("engram", "Named device mesh the table rows are split over")
-    precompute: bool = _field(True, "Exchange the lookups of all Engram layers together, once per step")
-    offload_optimizer_state: bool = _field(False, "Keep the tables' Adam state in CPU memory and update there")
+    precompute: bool = option(True, "Exchange the lookups of all Engram layers together, once per step")
+    offload_optimizer_state: bool = option(False, "Keep the tables' Adam state in CPU memory and update there")
 
     def problems(self) -> list[str]:
         ids = self.layer_ids
-        return _failed(
+        return failed_checks(
             (
                 not self.enable or (bool(ids) and ids == sorted(set(ids)) and min(ids) >= 0),
                 f"engram.layer_ids must be distinct, ascending, 0-based block indices, got {ids}.",
@@ -125,50 +110,46 @@ class Engram(Section):
 
 @dataclass
 class Training(Section):
-    steps: int = _field(1000, "Number of optimizer steps")
-    seq_len: int = _field(2048, "Tokens per sample")
-    local_batch_size: int = _field(8, "Samples per data-parallel rank per micro-batch")
-    global_batch_size: int = _field(
+    steps: int = option(1000, "Number of optimizer steps")
+    seq_len: int = option(2048, "Tokens per sample")
+    local_batch_size: int = option(8, "Samples per data-parallel rank per micro-batch")
+    global_batch_size: int = option(
         -1, "Samples per optimizer step; -1 = local_batch_size x data-parallel degree (no accumulation)"
     )
-    dataset: str = _field("shakespeare", "Training dataset name")
-    dataset_path: str | None = _field(None, "Local path or HF hub id of the dataset; none = the dataset's default")
-    seed: int = _field(42, "Random seed for weights and data order")
-    deterministic: bool = _field(False, "Use deterministic algorithms (slower)")
-    compile: bool = _field(False, "Apply torch.compile to the model blocks")
-    mixed_precision_param: str = _field(
-        "bfloat16", "Dtype of parameters in forward/backward (master weights stay fp32)",
-        choices=("bfloat16", "float32"),
+    dataset: str = option("shakespeare", "Training dataset name")
+    dataset_path: str | None = option(None, "Local path or HF hub id of the dataset; none = the dataset's default")
+    seed: int = option(42, "Random seed for weights and data order")
+    deterministic: bool = option(False, "Use deterministic algorithms (slower)")
+    compile: bool = option(False, "Apply torch.compile to the model blocks")
+    mixed_precision_param: Literal["bfloat16", "float32"] = option(
+        "bfloat16", "Dtype of parameters in forward/backward (master weights stay fp32)"
     )
-    one_process_cast: str = _field(
+    one_process_cast: Literal["fsdp", "autocast"] = option(
         "fsdp", "One process, bfloat16: fsdp = FSDP2 casts each weight once per step; autocast = plain autocast "
-        "casts at every use, no process group (benchmarks/step_bench.py compares them, docs/performance.md)",
-        choices=("fsdp", "autocast"),
+        "casts at every use, no process group (benchmarks/step_bench.py compares them, docs/performance.md)"
     )
-    max_norm: float = _field(1.0, "Gradient clipping max norm; 0 = no clipping")
-    device: str = _field(
-        "auto", "Device type; auto = cuda when available, else cpu", choices=("auto", "cpu", "cuda")
-    )
-    gc_freq: int = _field(50, "Run Python garbage collection every N steps")
-    cpu_keep_freed_memory: bool = _field(
+    max_norm: float = option(1.0, "Gradient clipping max norm; 0 = no clipping")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "Device type; auto = cuda when available, else cpu")
+    gc_freq: int = option(50, "Run Python garbage collection every N steps")
+    cpu_keep_freed_memory: bool = option(
         True,
         "CPU only: glibc malloc keeps the memory a step frees for the next step instead of returning it to "
         "the OS and page-faulting it in again (faster, steadier steps; the process's memory no longer shrinks)",
     )
-    check_memory_fit: bool = _field(
+    check_memory_fit: bool = option(
         True,
         "Before building the model, refuse a run whose memory estimate (trainer/memory.py) exceeds the free "
         "device memory; --no-training.check_memory_fit when the estimate is wrong for your setup",
     )
-    time_limit_minutes: float = _field(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")
-    max_skipped_steps: int = _field(
+    time_limit_minutes: float = option(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")
+    max_skipped_steps: int = option(
         10, "Stop when this many consecutive steps had a non-finite loss or grad norm (each is skipped)"
     )
-    debug_inject_nan_step: int = _field(-1, "Debug: multiply the loss by NaN at this step; -1 = never")
+    debug_inject_nan_step: int = option(-1, "Debug: multiply the loss by NaN at this step; -1 = never")
 
     def problems(self) -> list[str]:
         gbs, lbs = self.global_batch_size, self.local_batch_size
-        return _failed(
+        return failed_checks(
             *(
                 (getattr(self, key) > 0, f"training.{key} must be a positive integer, got {getattr(self, key)}.")
                 for key in ("steps", "seq_len", "local_batch_size", "gc_freq")
@@ -193,38 +174,34 @@ class Training(Section):
 
 @dataclass
 class Optimizer(Section):
-    name: str = _field(
-        "AdamW", "Optimizer; muon = Muon on the block matrices and AdamW on the rest (docs/optimizers.md)",
-        choices=("AdamW", "Adam", "muon"),
+    name: Literal["AdamW", "Adam", "muon"] = option(
+        "AdamW", "Optimizer; muon = Muon on the block matrices and AdamW on the rest (docs/optimizers.md)"
     )
-    lr: float = _field(8e-4, "Peak learning rate")
-    beta1: float = _field(0.9, "Adam beta1")
-    beta2: float = _field(0.95, "Adam beta2")
-    eps: float = _field(1e-8, "Adam epsilon")
-    weight_decay: float = _field(0.1, "Decoupled weight decay (not applied to norms, biases and embeddings)")
-    implementation: str = _field(
-        "auto", "Optimizer kernel; auto = fused on GPU, foreach otherwise",
-        choices=("auto", "fused", "foreach", "for-loop"),
+    lr: float = option(8e-4, "Peak learning rate")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.95, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon")
+    weight_decay: float = option(0.1, "Decoupled weight decay (not applied to norms, biases and embeddings)")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = option(
+        "auto", "Optimizer kernel; auto = fused on GPU, foreach otherwise"
     )
-    state_dtype: str = _field(
-        "float32", "Dtype of the optimizer states (AdamW moments, Muon momentum); weights stay fp32",
-        choices=("float32", "bfloat16"),
+    state_dtype: Literal["float32", "bfloat16"] = option(
+        "float32", "Dtype of the optimizer states (AdamW moments, Muon momentum); weights stay fp32"
     )
-    muon_momentum: float = _field(0.95, "Muon momentum mu")
-    muon_nesterov: bool = _field(True, "Muon: orthogonalise the Nesterov momentum (else the plain momentum)")
-    muon_ns_steps: int = _field(5, "Muon: Newton-Schulz iterations")
-    muon_ns_dtype: str = _field(
-        "auto", "Muon: Newton-Schulz dtype; auto = bfloat16 on GPUs, float32 on CPUs (bf16 matmuls are slow there)",
-        choices=("auto", "bfloat16", "float32"),
+    muon_momentum: float = option(0.95, "Muon momentum mu")
+    muon_nesterov: bool = option(True, "Muon: orthogonalise the Nesterov momentum (else the plain momentum)")
+    muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto", "Muon: Newton-Schulz dtype; auto = bfloat16 on GPUs, float32 on CPUs (bf16 matmuls are slow there)"
     )
-    qk_clip: bool = _field(
+    qk_clip: bool = option(
         False, "MuonClip's QK-clip: rescale a head's MLA query/key weights once its max logit passes the threshold"
     )
-    qk_clip_threshold: float = _field(100.0, "QK-clip: largest pre-softmax attention logit a head may keep")
-    qk_clip_every: int = _field(1, "QK-clip: record the logits and clip every N steps")
+    qk_clip_threshold: float = option(100.0, "QK-clip: largest pre-softmax attention logit a head may keep")
+    qk_clip_every: int = option(1, "QK-clip: record the logits and clip every N steps")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}."),
             (0 <= self.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {self.beta1}."),
             (0 <= self.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {self.beta2}."),
@@ -247,15 +224,15 @@ class Optimizer(Section):
 
 @dataclass
 class LRScheduler(Section):
-    warmup_steps: int = _field(200, "Linear warmup steps")
-    decay_ratio: float | None = _field(
+    warmup_steps: int = option(200, "Linear warmup steps")
+    decay_ratio: float | None = option(
         None, "Fraction of steps spent decaying at the end (WSD); none = decay over all steps after warmup"
     )
-    decay_type: str = _field("linear", "Shape of the decay", choices=("linear", "cosine", "sqrt"))
-    min_lr_factor: float = _field(0.0, "Final learning rate as a fraction of the peak")
+    decay_type: Literal["linear", "cosine", "sqrt"] = option("linear", "Shape of the decay")
+    min_lr_factor: float = option(0.0, "Final learning rate as a fraction of the peak")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}."),
             (
                 self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
@@ -271,16 +248,16 @@ class LRScheduler(Section):
 
 @dataclass
 class Metrics(Section):
-    log_freq: int = _field(10, "Log metrics every N steps")
-    enable_wandb: bool = _field(False, "Also log to Weights & Biases")
-    wandb_project: str = _field("dsv3-trainer", "Weights & Biases project")
-    wandb_mode: str = _field("offline", "Weights & Biases mode", choices=("offline", "online", "disabled"))
-    enable_tensorboard: bool = _field(False, "Also write TensorBoard scalars to <run folder>/tb (needs tensorboard)")
-    peak_flops: float = _field(0.0, "Per-device peak FLOP/s for MFU; 0 = look up the device")
-    jsonl_file: str = _field("metrics.jsonl", "Metrics JSONL file name inside the run folder")
+    log_freq: int = option(10, "Log metrics every N steps")
+    enable_wandb: bool = option(False, "Also log to Weights & Biases")
+    wandb_project: str = option("dsv3-trainer", "Weights & Biases project")
+    wandb_mode: Literal["offline", "online", "disabled"] = option("offline", "Weights & Biases mode")
+    enable_tensorboard: bool = option(False, "Also write TensorBoard scalars to <run folder>/tb (needs tensorboard)")
+    peak_flops: float = option(0.0, "Per-device peak FLOP/s for MFU; 0 = look up the device")
+    jsonl_file: str = option("metrics.jsonl", "Metrics JSONL file name inside the run folder")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.log_freq >= 1, f"metrics.log_freq must be >= 1, got {self.log_freq}."),
             (
                 self.peak_flops >= 0,
@@ -296,14 +273,14 @@ class Metrics(Section):
 
 @dataclass
 class Validation(Section):
-    enable: bool = _field(True, "Run validation during training")
-    freq: int = _field(50, "Validate every N steps")
-    steps: int = _field(10, "Batches per validation")
-    dataset: str | None = _field(None, "Validation dataset; none = held-out split of the training dataset")
-    dataset_path: str | None = _field(None, "Local path or HF hub id of the validation dataset")
+    enable: bool = option(True, "Run validation during training")
+    freq: int = option(50, "Validate every N steps")
+    steps: int = option(10, "Batches per validation")
+    dataset: str | None = option(None, "Validation dataset; none = held-out split of the training dataset")
+    dataset_path: str | None = option(None, "Local path or HF hub id of the validation dataset")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.freq >= 1, f"validation.freq must be >= 1, got {self.freq}."),
             (self.steps >= 1, f"validation.steps must be >= 1, got {self.steps}."),
         )
@@ -311,29 +288,28 @@ class Validation(Section):
 
 @dataclass
 class Checkpoint(Section):
-    enable: bool = _field(False, "Save checkpoints and resume from the latest one")
-    folder: str = _field("checkpoint", "Checkpoint folder, relative to the run folder")
-    interval: int = _field(500, "Save every N steps")
-    keep_latest_k: int = _field(3, "Keep only the newest K checkpoints; 0 = keep all")
-    async_mode: str = _field(
-        "disabled", "async: write checkpoints in a background thread while training goes on",
-        choices=("disabled", "async"),
+    enable: bool = option(False, "Save checkpoints and resume from the latest one")
+    folder: str = option("checkpoint", "Checkpoint folder, relative to the run folder")
+    interval: int = option(500, "Save every N steps")
+    keep_latest_k: int = option(3, "Keep only the newest K checkpoints; 0 = keep all")
+    async_mode: Literal["disabled", "async"] = option(
+        "disabled", "async: write checkpoints in a background thread while training goes on"
     )
-    load_step: int = _field(-1, "Step to resume from; -1 = the newest complete checkpoint")
-    reset_optimizer: bool = _field(
+    load_step: int = option(-1, "Step to resume from; -1 = the newest complete checkpoint")
+    reset_optimizer: bool = option(
         False, "Resume weights, schedule and data position but start the optimizer state afresh (to switch optimizer)"
     )
-    last_save_model_only: bool = _field(False, "Make the final save model weights only, in export_dtype")
-    export_dtype: str = _field(
-        "bfloat16", "Weight dtype of the model-only final save", choices=("float32", "bfloat16", "float16")
+    last_save_model_only: bool = option(False, "Make the final save model weights only, in export_dtype")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "bfloat16", "Weight dtype of the model-only final save"
     )
-    initial_load_path: str | None = _field(
+    initial_load_path: str | None = option(
         None, "Weights to start from when there is no checkpoint to resume: a DCP checkpoint or HF folder"
     )
-    initial_load_format: str = _field("dcp", "Format of initial_load_path", choices=("dcp", "hf"))
+    initial_load_format: Literal["dcp", "hf"] = option("dcp", "Format of initial_load_path")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (self.interval >= 1, f"checkpoint.interval must be >= 1, got {self.interval}."),
             (
                 self.load_step == -1 or self.load_step >= 1,
@@ -346,49 +322,45 @@ class Checkpoint(Section):
         )
 
 
+ReshardPolicy = Literal["default", "always", "never"]
+
+
 @dataclass
 class Parallelism(Section):
-    dp_replicate: int = _field(1, "Data-parallel replicas (HSDP replicate dim)")
-    dp_shard: int = _field(-1, "FSDP shard degree; -1 = infer from the world size")
-    tp: int = _field(1, "Tensor-parallel degree")
-    cp: int = _field(1, "Context-parallel degree")
-    ep: int = _field(1, "Expert-parallel degree (borrows ranks from dp_shard x cp)")
-    ep_as_cp: bool = _field(False, "Shard the sequence over the expert dim outside the MoE exchange")
-    pp: int = _field(1, "Pipeline-parallel degree, the outermost dim: world = pp x dp_replicate x dp_shard x cp x tp")
-    pp_schedule: str = _field("1F1B", "Pipeline schedule of torch.distributed.pipelining", choices=PP_SCHEDULES)
-    pp_stages_per_rank: int = _field(-1, "Pipeline stages per rank; -1 = 1 for GPipe/1F1B, else 2 (V schedules need 2)")
-    pp_microbatches: int = _field(
+    dp_replicate: int = option(1, "Data-parallel replicas (HSDP replicate dim)")
+    dp_shard: int = option(-1, "FSDP shard degree; -1 = infer from the world size")
+    tp: int = option(1, "Tensor-parallel degree")
+    cp: int = option(1, "Context-parallel degree")
+    ep: int = option(1, "Expert-parallel degree (borrows ranks from dp_shard x cp)")
+    ep_as_cp: bool = option(False, "Shard the sequence over the expert dim outside the MoE exchange")
+    pp: int = option(1, "Pipeline-parallel degree, the outermost dim: world = pp x dp_replicate x dp_shard x cp x tp")
+    pp_schedule: PPSchedule = option("1F1B", "Pipeline schedule of torch.distributed.pipelining")
+    pp_stages_per_rank: int = option(-1, "Pipeline stages per rank; -1 = 1 for GPipe/1F1B, else 2 (V schedules need 2)")
+    pp_microbatches: int = option(
         -1, "Pipeline micro-batches per step; -1 = the fewest that fill the pipeline (pp, or all stages for V schedules)"
     )
-    pp_layout: str = _field(
+    pp_layout: str = option(
         "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
     )
-    fsdp_reshard_after_forward: str = _field(
+    fsdp_reshard_after_forward: ReshardPolicy = option(
         "default",
         "Free gathered FSDP params after forward: default = all but the root unit",
-        choices=("default", "always", "never"),
-    )
-    expert_parallel_comm_backend: str = _field(
-        "all_to_all", "Token exchange of expert parallelism", choices=("all_to_all", "deepep")
     )
 
     def problems(self) -> list[str]:
-        return degree_problems(self) + _failed(
-            (
-                self.expert_parallel_comm_backend != "deepep",
-                "parallelism.expert_parallel_comm_backend = 'deepep' is not implemented in this trainer; "
-                "use 'all_to_all' (the default).",
-            ),
-        )
+        return degree_problems(self)
+
+
+ACMode = Literal["none", "full", "selective", "op"]
 
 
 @dataclass
 class ActivationCheckpoint(Section):
-    mode: str = _field("none", "Activation checkpointing", choices=("none", "full", "selective", "op"))
-    selective_every: int = _field(2, "In selective mode, checkpoint every N-th block")
+    mode: ACMode = option("none", "Activation checkpointing")
+    selective_every: int = option(2, "In selective mode, checkpoint every N-th block")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (
                 self.selective_every >= 1,
                 f"activation_checkpoint.selective_every must be >= 1, got {self.selective_every}.",
@@ -398,20 +370,20 @@ class ActivationCheckpoint(Section):
 
 @dataclass
 class Profiling(Section):
-    enable_profiling: bool = _field(False, "Record torch.profiler traces of profile_steps steps from profile_start_step")
-    profile_start_step: int = _field(3, "First profiled step (after warm-up steps, so compile and caches are settled)")
-    profile_steps: int = _field(2, "Number of consecutive steps in the trace")
-    ranks: list[int] = _field([0], "Ranks that write traces and memory snapshots")
-    traces_folder: str = _field("profile_traces", "Trace and snapshot folder, relative to the run folder")
-    profile_memory: bool = _field(False, "Also record tensor allocations in the trace (slower, larger trace)")
-    memory_snapshot_step: int = _field(-1, "CUDA only: dump an allocator memory snapshot after this step; -1 = never")
-    memory_snapshot_on_oom: bool = _field(False, "CUDA only: record allocation history and dump a snapshot on OOM")
-    step_breakdown: bool = _field(
+    enable_profiling: bool = option(False, "Record torch.profiler traces of profile_steps steps from profile_start_step")
+    profile_start_step: int = option(3, "First profiled step (after warm-up steps, so compile and caches are settled)")
+    profile_steps: int = option(2, "Number of consecutive steps in the trace")
+    ranks: list[int] = option([0], "Ranks that write traces and memory snapshots")
+    traces_folder: str = option("profile_traces", "Trace and snapshot folder, relative to the run folder")
+    profile_memory: bool = option(False, "Also record tensor allocations in the trace (slower, larger trace)")
+    memory_snapshot_step: int = option(-1, "CUDA only: dump an allocator memory snapshot after this step; -1 = never")
+    memory_snapshot_on_oom: bool = option(False, "CUDA only: record allocation history and dump a snapshot on OOM")
+    step_breakdown: bool = option(
         False, "Log per-step time split: data wait, forward+backward, reductions+clipping, optimizer (syncs CUDA)"
     )
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (
                 self.profile_start_step >= 1,
                 f"profiling.profile_start_step must be >= 1, got {self.profile_start_step}.",
@@ -427,21 +399,20 @@ class Profiling(Section):
 
 @dataclass
 class Quantize(Section):
-    float8: bool = _field(False, "Train nn.Linear layers with float8 matmuls (torchao; CUDA SM89+)")
-    recipe: str = _field(
-        "tensorwise", "torchao float8 scaling recipe of the Linear layers",
-        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    float8: bool = option(False, "Train nn.Linear layers with float8 matmuls (torchao; CUDA SM89+)")
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = option(
+        "tensorwise", "torchao float8 scaling recipe of the Linear layers"
     )
-    filter_fqns: list[str] = _field(
+    filter_fqns: list[str] = option(
         ["router", "gate", "head"], "Modules whose name contains any of these stay in high precision"
     )
-    float8_experts: bool = _field(
+    float8_experts: bool = option(
         False, "Also run the routed experts' grouped GEMMs in float8 (torchao MoE training; CUDA SM90+)"
     )
-    emulate: bool = _field(False, "Emulate float8 matmuls in high precision (CPU tests; no speed-up)")
+    emulate: bool = option(False, "Emulate float8 matmuls in high precision (CPU tests; no speed-up)")
 
     def problems(self) -> list[str]:
-        return _failed(
+        return failed_checks(
             (
                 self.float8 or not self.float8_experts,
                 "quantize.float8_experts = true needs quantize.float8 = true; add --quantize.float8.",
@@ -465,48 +436,6 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> JobConfig:
-        """Defaults overlaid with `data` ({section: {key: value}}, as TOML parses); not validated."""
-        sections = _sections(cls)
-        cfg = cls()
-        for section, table in data.items():
-            if not isinstance(table, dict) and section not in sections:
-                nearest = _nearest_key(section, sections)
-                hint = f"; did you mean {nearest}?" if nearest else "."
-                raise ConfigError(
-                    f"{source}: key '{section}' is outside any [section]{hint} "
-                    f"Valid sections: {', '.join(sections)}."
-                )
-            if section not in sections:
-                raise ConfigError(
-                    f"{source}: unknown section [{section}]{_did_you_mean(section, list(sections), '[{}]')} "
-                    f"Valid sections: {', '.join(sections)}."
-                )
-            if not isinstance(table, dict):
-                raise ConfigError(
-                    f"{source}: '{section}' must be a [{section}] table of key = value pairs, "
-                    f"got {type(table).__name__} {table!r}."
-                )
-            options = _options(sections[section])
-            target = getattr(cfg, section)
-            for key, value in table.items():
-                if key not in options:
-                    raise ConfigError(
-                        f"{source}: unknown key {section}.{key}{_key_hint(section, key, options)} "
-                        f"Valid keys in [{section}]: {', '.join(options)}."
-                    )
-                f, tp = options[key]
-                try:
-                    converted = _from_toml(value, tp)
-                except ValueError:
-                    raise ConfigError(
-                        f"{source}: {section}.{key} must be {_type_name(tp)}{_choices_hint(f)}, "
-                        f"got {type(value).__name__} {value!r}."
-                    ) from None
-                setattr(target, key, converted)
-        return cfg
-
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -523,8 +452,8 @@ class JobConfig:
 
     def validate(self) -> None:
         """Raise one ConfigError listing every invalid value or combination."""
-        problems = _choice_problems(self)
-        for section in _sections(type(self)):
+        problems = choice_problems(self)
+        for section in sections_of(type(self)):
             problems += getattr(self, section).problems()
         problems += combination_problems(self)
         if len(problems) == 1:
@@ -537,9 +466,3 @@ class JobConfig:
         (the trainer logs them at start)."""
         return combination_warnings(self)
 
-
-def _key_hint(section: str, key: str, options: dict) -> str:
-    foreign = FOREIGN_NAMES.get(key)
-    if foreign is not None:
-        return f"; did you mean {foreign}?"
-    return _did_you_mean(key, list(options), section + ".{}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import typing
 
 import torch
 from torch import nn
@@ -25,7 +26,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective", "op")
+from trainer.config.schema import ACMode
+
+AC_MODES = typing.get_args(ACMode)
 
 
 def _save_list() -> set:

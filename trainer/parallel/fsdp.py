@@ -19,6 +19,8 @@ leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DC
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from models.moe import MoE
+from trainer.config.schema import ReshardPolicy
 from trainer.parallel.distributed import init_one_process_group
 
 try:  # A mesh per parameter (documented in fully_shard's shard_placement_fn); torch >= 2.13.
@@ -40,7 +43,7 @@ except ImportError:
 # Whether routed experts under EP share their block's FSDP unit (else they are a unit of their own).
 EXPERTS_IN_BLOCK_UNIT = ShardPlacementResult is not None
 
-RESHARD_POLICIES = ("default", "always", "never")
+RESHARD_POLICIES = typing.get_args(ReshardPolicy)
 
 
 def _set_sum_reduction(module: FSDPModule) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.engram import NgramHasher, engram_table_params
+from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.compile import compiled_cross_entropy_sum
@@ -41,7 +42,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def parallelize_model(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    cfg,
+    parallelism: Parallelism,
+    training: Training,
+    activation_checkpoint: ActivationCheckpoint,
+    quantize: Quantize,
+    engram: Engram,
     device_type: str = "cpu",
     engram_hasher: NgramHasher | None = None,
 ) -> tuple[nn.Module, ParallelStep]:
@@ -49,11 +54,11 @@ def parallelize_model(
     ``ParallelStep`` that does the step's layout work (trainer/parallel/step.py), which hashes
     the batches with ``engram_hasher`` (required when ``model`` has Engram layers).
 
-    ``cfg`` is the JobConfig; this reads ``[quantize]``, ``[parallelism]``, ``[activation_checkpoint]`` and
-    ``training.compile`` / ``training.mixed_precision_param``. Meshes are built here if the
+    Takes the config sections it reads, as torchtitan does; of ``training`` it reads ``compile``,
+    ``mixed_precision_param`` and (pipelined) the batch shape. Meshes are built here if the
     caller has not built them yet.
     """
-    dims, p = parallel_dims, cfg.parallelism
+    dims = parallel_dims
     if dims.world_size > 1:
         dims.build_meshes(device_type)
     specs = None
@@ -62,16 +67,15 @@ def parallelize_model(
         split_model(model, specs)
         if engram_hasher is not None:  # this rank hashes for its own Engram layers only
             engram_hasher = engram_hasher.select(model.engram_layer_ids)
-    if cfg.quantize.float8:
+    if quantize.float8:
         # Model converters come first, so every parallelism wraps the converted modules.
         from trainer.quantize import check_float8_support, convert_to_float8
 
-        check_float8_support(cfg.quantize, device_type, dims.tp_enabled)
-        convert_to_float8(model, cfg.quantize)
+        check_float8_support(quantize, device_type, dims.tp_enabled)
+        convert_to_float8(model, quantize)
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.mesh("tp"))
 
-    ac = cfg.activation_checkpoint
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.mesh("ep"))
 
@@ -79,16 +83,16 @@ def parallelize_model(
     if dims.context_enabled:
         context_parallel = apply_context_parallel(model, dims.mesh("context"))
 
-    apply_activation_checkpointing(model, ac.mode, ac.selective_every)
+    apply_activation_checkpointing(model, activation_checkpoint.mode, activation_checkpoint.selective_every)
 
-    if cfg.training.compile:
+    if training.compile:
         from trainer.parallel.compile import apply_compile
 
         apply_compile(model)
 
     if dims.engram_enabled:
         replicate = dims.mesh_or_none(dims.engram_replicate_mesh_name)
-        apply_engram_parallel(model, dims.mesh(dims.engram_mesh_name), cfg.engram.precompute, replicate)
+        apply_engram_parallel(model, dims.mesh(dims.engram_mesh_name), engram.precompute, replicate)
     elif dims.loss_enabled:  # embedding_parallel_degree 1: whole tables on every rank
         replicate_engram_tables(model, dims.mesh("loss"))
 
@@ -102,14 +106,13 @@ def parallelize_model(
                 model,
                 dense_mesh,
                 expert_mesh,
-                param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                param_dtype=DTYPES[training.mixed_precision_param],
                 reduce_dtype=torch.float32,
-                reshard_after_forward=p.fsdp_reshard_after_forward,
+                reshard_after_forward=parallelism.fsdp_reshard_after_forward,
                 root_runs_forward=specs is None,
             )
     one_process_fsdp = (
-        dims.world_size == 1 and cfg.training.mixed_precision_param == "bfloat16"
-        and cfg.training.one_process_cast == "fsdp"
+        dims.world_size == 1 and training.mixed_precision_param == "bfloat16" and training.one_process_cast == "fsdp"
     )
     if one_process_fsdp:
         # One process, bf16: FSDP2 on a one-rank mesh casts each weight to bf16 once per step
@@ -125,8 +128,8 @@ def parallelize_model(
             ignored_params=set(engram_table_params(model)),
         )
     if specs is not None:
-        param_dtype = DTYPES[cfg.training.mixed_precision_param] if dims.data_parallel_enabled else None
-        activation = activation_meta(cfg, dims, model.args.dim, param_dtype)
+        param_dtype = DTYPES[training.mixed_precision_param] if dims.data_parallel_enabled else None
+        activation = activation_meta(training, dims, model.args.dim, param_dtype)
         step = PipelineStep(
             model, dims, specs, activation, context_parallel=context_parallel, engram_hasher=engram_hasher
         )

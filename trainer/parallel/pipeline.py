@@ -283,13 +283,12 @@ def _forward_only(schedule, n_microbatches: int) -> None:
 
 
 def activation_meta(
-    cfg, dims: ParallelDims, dim: int, param_dtype: torch.dtype | None
+    training, dims: ParallelDims, dim: int, param_dtype: torch.dtype | None
 ) -> tuple[tuple[int, ...], torch.dtype]:
     """Shape and dtype of the residual stream between stages: one pipeline micro-batch's rows,
     the sequence as this rank holds it (split by context and, sequence-parallel, by tensor
     parallelism), in the dtype the blocks compute in (FSDP's param dtype, else fp32)."""
-    t = cfg.training
-    rows = t.local_batch_size // dims.pp_microbatches
-    seq = t.seq_len // dims.context_degree // dims.tp
+    rows = training.local_batch_size // dims.pp_microbatches
+    seq = training.seq_len // dims.context_degree // dims.tp
     return (rows, seq, dim), param_dtype or torch.float32
 
