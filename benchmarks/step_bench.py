@@ -46,16 +46,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-import trainer.train as train_module
 from models.deepseek_v3 import get_flavor
 from trainer.config import load_config
+from trainer.data import build_tokenizer
 from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_step, weight_cast_bytes
 from trainer.memory import estimate
-from trainer.train import Trainer
+from trainer.runtime import resolve_path
+from trainer.train import Trainer, build_model_args
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "
@@ -113,19 +113,14 @@ def build_trainer(name: str, a, folder: Path) -> Trainer:
         argv.append("--quantize.float8_experts")
     if a.peak_flops:
         argv += ["--metrics.peak_flops", str(a.peak_flops)]
-    build_args = train_module.build_model_args
-
-    def overridden_model_args(*args, **kwargs):
-        return apply_overrides(build_args(*args, **kwargs), a.model_override)
-
-    # The overrides apply after the trainer derived its model args from the config (vocabulary,
-    # seq_len, MoE options), so they win over both; the trainer's FLOPs and memory use the result.
+    cfg = load_config(argv)
+    tokenizer = build_tokenizer(resolve_path(cfg.model.tokenizer_path))
+    # The overrides apply after the config's model args (vocabulary, seq_len, MoE options), so
+    # they win over both; the trainer's FLOPs and memory use the result.
+    model_args = apply_overrides(build_model_args(cfg, tokenizer.vocab_size, tokenizer.eos_id), a.model_override)
     # The trainer logs its run header to stdout; keep stdout for the JSON and the table.
-    patched = mock.patch.object(train_module, "build_model_args", overridden_model_args)
-    with contextlib.redirect_stdout(sys.stderr), patched:
-        trainer = Trainer(load_config(argv))
-    trainer.train_iter = iter(trainer.train_loader)
-    return trainer
+    with contextlib.redirect_stdout(sys.stderr):
+        return Trainer(cfg, model_args)
 
 
 def state_bytes(trainer: Trainer) -> int:

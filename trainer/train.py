@@ -119,19 +119,56 @@ def build_engram_args(cfg: JobConfig) -> EngramArgs:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        t = cfg.training
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.parallel_dims = ParallelDims.from_job(cfg, world_size)
-        # A typo in the flavor, or heads / experts the layout cannot split, fail before the run folder exists.
-        flavor = resolve_flavor(cfg)
-        self.parallel_dims.check_shapes(t.seq_len, n_heads=flavor.n_heads, num_experts=flavor.moe.num_experts)
-        mtp_depth = flavor.mtp_depth if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
-        self.parallel_dims.check_stages(flavor.n_layers, mtp_depth)
+    """The pieces of one run, built in phases: the process and its run folder, the model, the
+    training pieces (optimizer, schedule, step object, data, validation), observability, resume.
 
+    Args:
+        cfg: the job.
+        model_args: the model's shape; None = the config's flavor with the tokenizer's vocabulary
+            (``build_model_args``). A benchmark passes its own here.
+        available_memory: bytes the run may take on its device, for the memory-fit check
+            (``training.check_memory_fit``); None = what the device reports.
+
+    The data are the Trainer's own: ``next_microbatches`` reads its loader. A caller with other
+    data passes its micro-batches to ``train_step`` (tests/distributed/parity_worker.py does).
+    """
+
+    def __init__(
+        self, cfg: JobConfig, model_args: DeepSeekV3ModelArgs | None = None, available_memory: int | None = None
+    ):
+        self.cfg = cfg
+        self._start_process(model_args)
+        self._open_run_folder()
+        self._build_model(model_args, available_memory)
+        self._build_training_pieces()
+        self._build_observability()
+        self._resume()
+
+    def _start_process(self, model_args: DeepSeekV3ModelArgs | None) -> None:
+        """The layout, the device, the process group and its meshes, the seed and the batch split;
+        a typo in the flavor, or heads / experts the layout cannot split, fail here, before the
+        run folder exists."""
+        cfg, t = self.cfg, self.cfg.training
+        self.parallel_dims = ParallelDims.from_job(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        shape = model_args or resolve_flavor(cfg)
+        self.parallel_dims.check_shapes(t.seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
+        mtp_depth = shape.mtp_depth if model_args or cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
+        self.parallel_dims.check_stages(shape.n_layers, mtp_depth)
         self.device = select_device(t.device, local_rank_from_env())
+        if cfg.model.attn_backend == "flex" and self.device.type != "cuda":
+            raise ConfigError(
+                "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
+                "use --model.attn_backend sdpa"
+            )
         init_distributed(self.device)
+        self.parallel_dims.build_meshes(self.device.type)
+        self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
+        set_seed_and_determinism(t.seed, t.deterministic)
+        self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
+
+    def _open_run_folder(self) -> None:
+        """The run folder, its log and the config's warnings."""
+        cfg, t = self.cfg, self.cfg.training
         resumable = cfg.checkpoint.enable
         self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
         _setup_logging(self.run_dir / "train.log")
@@ -148,31 +185,21 @@ class Trainer:
                 logger.info("host memory: freed blocks are kept for reuse (training.cpu_keep_freed_memory)")
             else:
                 logger.warning("training.cpu_keep_freed_memory: the C library is not glibc; its malloc is left as it is")
-        self.parallel_dims.build_meshes(self.device.type)
-        self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
-        if cfg.model.attn_backend == "flex" and self.device.type != "cuda":
-            raise ConfigError(
-                "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
-                "use --model.attn_backend sdpa"
-            )
-        set_seed_and_determinism(t.seed, t.deterministic)
 
-        self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
-        global_batch = self.grad_accum_steps * t.local_batch_size * self.dp_world
-
-        tokenizer_path = resolve_path(cfg.model.tokenizer_path)
-        self.tokenizer = build_tokenizer(tokenizer_path)
-        self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, self.tokenizer.eos_id)
+    def _build_model(self, model_args: DeepSeekV3ModelArgs | None, available_memory: int | None) -> None:
+        """The tokenizer, the model's shape and the model: checked to fit, built on the meta
+        device, laid out by ``parallelize_model`` (which gives the step object) and materialized."""
+        cfg, t = self.cfg, self.cfg.training
+        self.tokenizer = tok = build_tokenizer(resolve_path(cfg.model.tokenizer_path))
+        self.model_args = model_args or build_model_args(cfg, tok.vocab_size, tok.eos_id)
         self.parallel_dims.check_shapes(t.seq_len, vocab_size=self.model_args.vocab_size)
-        if t.check_memory_fit:
-            check_fits(cfg, self.model_args, self.parallel_dims, self.device)  # before a build that could not fit
-
+        if t.check_memory_fit:  # before a build that could not fit
+            check_fits(cfg, self.model_args, self.parallel_dims, self.device, available_memory)
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
         hasher = None
         if self.model_args.engram is not None:
             # Every rank derives the same map, primes and multipliers from the tokenizer and seed.
-            tok = self.tokenizer
             compression = build_token_compression(lambda i: tok.decode([i]), tok.vocab_size, tok.pad_id)
             hasher = NgramHasher(self.model_args.engram, compression, model.engram_layer_ids).to(self.device)
         model, self.parallel = parallelize_model(
@@ -185,55 +212,78 @@ class Trainer:
             table_stats = engram_metrics(model)
             logger.info(
                 "engram: layers %s, %d compressed ids (of %d), %d table rows = %.1f MiB on this rank",
-                list(self.model_args.engram.layer_ids), compression.num_compressed, tok.vocab_size,
+                list(self.model_args.engram.layer_ids), hasher.num_compressed, tok.vocab_size,
                 table_stats["engram/table_rows_per_rank"], table_stats["engram/table_bytes_per_rank"] / 2**20,
             )
         self.model = model
 
+    def _build_training_pieces(self) -> None:
+        """What a step uses beside the model and its step object (precision, loss, optimizer,
+        schedule, MoE bias and QK-clip updates), the training data and the validation."""
+        cfg, t, o = self.cfg, self.cfg.training, self.cfg.optimizer
         self.autocast_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None
         # [training] compile: parallelize_model compiled every block before to_empty, which is
         # fine because compilation is lazy (traced at the first step, on the real weights); the
         # loss gets its compiled twin here (docs/compile.md).
         self.loss_fn = build_loss_function(self.parallel_dims, t.compile)
-        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.bias_updater = ExpertBiasUpdater(model, self.parallel.global_sum)
-        o = cfg.optimizer
+        self.bias_updater = ExpertBiasUpdater(self.model, self.parallel.global_sum)
         self.qk_clip = (
-            QKClip(model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
+            QKClip(self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
         )
-
-        dataset_path = str(resolve_path(t.dataset_path)) if t.dataset_path else None
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
-        self.token_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
-        self.train_loader = build_dataloader(
+        multi = self.parallel_dims.world_size > 1
+        self.token_group = torch.distributed.new_group(backend="gloo") if multi else None
+        # The loader is its own iterator (continuing from its state): the Trainer's data stream.
+        self.train_loader = self._loader(t.dataset, t.dataset_path, "train", infinite=True)
+        self.validator = self._build_validator() if cfg.validation.enable else None
+
+    def _loader(self, dataset: str, path: str | None, split: str, infinite: bool):
+        t = self.cfg.training
+        return build_dataloader(
             tokenizer=self.tokenizer,
-            dataset=t.dataset,
-            dataset_path=dataset_path,
+            dataset=dataset,
+            dataset_path=str(resolve_path(path)) if path else None,
             seq_len=t.seq_len,
             batch_size=t.local_batch_size,
-            global_batch_size=global_batch,
+            global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
             token_group=self.token_group,
-            split="train",
+            split=split,
             seed=t.seed,
-            infinite=True,
+            infinite=infinite,
         )
-        self.validator = self._build_validator() if cfg.validation.enable else None
 
-        total, active = count_params(self.model_args, include_mtp=self.model_args.mtp_depth > 0)
-        self.n_params, self.n_active = total, active
+    def _build_validator(self) -> Validator:
+        v, t = self.cfg.validation, self.cfg.training
+        dataset = v.dataset or t.dataset
+        path = v.dataset_path or (t.dataset_path if v.dataset is None else None)
+        # A separate validation dataset is read whole; the training dataset gives its held-out split.
+        split = "validation" if v.dataset is None else "train"
+        return Validator(
+            self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split, infinite=False),
+            v.steps, self.device,
+        )
+
+    def _build_observability(self) -> None:
+        """The model's counts for the throughput, the metrics writers, the profilers, the run header."""
+        cfg, t = self.cfg, self.cfg.training
+        self.n_params, self.n_active = count_params(self.model_args, include_mtp=self.model_args.mtp_depth > 0)
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops_for(self.device, cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, cfg.to_dict(), t.steps, enabled=is_rank0())
         self.profiler = Profiler(cfg.profiling, self.run_dir, self.device)
         self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
+        self._log_run_header()
+
+    def _resume(self) -> None:
+        """The checkpointer, and the run's state from its last checkpoint when there is one."""
         self.step = 0
-        self._log_run_header(tokenizer_path, global_batch)
-        self.nonfinite = NonFiniteGuard(t.max_skipped_steps)
+        self.nonfinite = NonFiniteGuard(self.cfg.training.max_skipped_steps)
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
+            self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
             device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
         )
@@ -257,43 +307,12 @@ class Trainer:
                 "loss curve is not the one the saved settings would have given)", ", ".join(changed),
             )
 
-    def _build_validator(self) -> Validator:
-        v, t = self.cfg.validation, self.cfg.training
-        dataset = v.dataset or t.dataset
-        path = v.dataset_path or (t.dataset_path if v.dataset is None else None)
-        # A separate validation dataset is read whole; the training dataset gives its held-out split.
-        split = "validation" if v.dataset is None else "train"
-        path = str(resolve_path(path)) if path else None
-
-        def build_loader():
-            return build_dataloader(
-                tokenizer=self.tokenizer,
-                dataset=dataset,
-                dataset_path=path,
-                seq_len=t.seq_len,
-                batch_size=t.local_batch_size,
-                global_batch_size=self.train_loader.global_batch_size,
-                dp_rank=self.dp_rank,
-                dp_world_size=self.dp_world,
-                token_group=self.token_group,
-                split=split,
-                seed=t.seed,
-                infinite=False,
-            )
-
-        return Validator(build_loader, v.steps, self.device, self.eval_loss_sum, self.parallel.step_sum)
-
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's summed next-token cross-entropy (MTP excluded) and valid-target count for
-        one full batch, in the run's layout (`ParallelStep.eval_loss_sum`)."""
-        return self.parallel.eval_loss_sum(inputs, labels, self.autocast)
-
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _log_run_header(self, tokenizer_path: Path, global_batch: int) -> None:
+    def _log_run_header(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         if cfg.job.print_config:
             logger.info("resolved config:\n%s", cfg.to_toml().rstrip())
@@ -312,11 +331,11 @@ class Trainer:
         )
         logger.info(
             "tokenizer %s (vocab %d) | data %s | seq_len %d | global batch %d sequences = %d micro-batch(es) of %d",
-            tokenizer_path,
+            resolve_path(cfg.model.tokenizer_path),
             self.tokenizer.vocab_size,
             t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}",
             t.seq_len,
-            global_batch,
+            self.train_loader.global_batch_size,
             self.grad_accum_steps,
             t.local_batch_size,
         )
@@ -337,7 +356,7 @@ class Trainer:
         start = time.perf_counter()
         batches = []
         for _ in range(self.grad_accum_steps):
-            inputs, labels = next(self.train_iter)
+            inputs, labels = next(self.train_loader)
             batches.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
         return batches, time.perf_counter() - start
 
@@ -352,6 +371,8 @@ class Trainer:
             loss_total, mtp_total = self.parallel.forward_backward(micro, objective, self.autocast)
         self.breakdown.mark("forward_backward")
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.step == self.cfg.training.debug_inject_nan_step:
+            loss_total = self._inject_nan(loss_total, params)
         totals = self.parallel.reduce_losses(loss_total, mtp_total)
         grad_norm = self.parallel.finish_grads(params, self.cfg.training.max_norm)
         self.breakdown.mark("reduce_clip")
@@ -381,14 +402,21 @@ class Trainer:
         """What one micro-batch's backward differentiates (next-token loss over the global valid
         count, the MoE balance loss, the weighted MTP loss), with its next-token and MTP terms."""
         loss = self.loss_fn(out.logits, mb.labels) / n_valid
-        if self.step == self.cfg.training.debug_inject_nan_step:
-            loss = loss * float("nan")
         objective = loss + out.aux_loss * aux_scale
         mtp = torch.zeros((), device=loss.device)
         if out.mtp_logits:
             mtp = mb.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
             objective = objective + self.cfg.model.mtp_loss_weight * mtp
         return objective, loss, mtp
+
+    @staticmethod
+    def _inject_nan(loss_total: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """``training.debug_inject_nan_step``: the step's loss and gradients turn NaN, as a diverged
+        step's would, to test the skip (docs/checkpoints.md). A test hook, applied to the step's
+        results rather than written into its loss."""
+        for p in params:
+            p.grad.mul_(math.nan)
+        return loss_total * math.nan
 
     def logged_metrics(self) -> dict:
         """Metrics that need host reads of their own, gathered on logging steps only: Engram
@@ -403,9 +431,6 @@ class Trainer:
             stats["moe_imbalance_worst"] = moe_stats["moe/load_imbalance/max"]
         return stats
 
-    def validate(self) -> float:
-        return self.validator.evaluate(self.model)
-
     def train(self, stop: StopRequest | None = None) -> None:
         """Train to `training.steps`, or until `stop` (installed by the caller; by default one
         of this call's own) asks to save and stop."""
@@ -415,13 +440,12 @@ class Trainer:
             stop = StopRequest(t.time_limit_minutes).install()
         # A stop that came while the run was built: nothing was trained, nothing to save.
         stop_reason = stop.reason()
-        self.train_iter = iter(self.train_loader)
         if t.compile and stop_reason is None:
             # Compilation is lazy: the first step (and the first validation) trace and compile
             # every block, minutes of silence on a CPU without this line.
             logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0 and stop_reason is None:
-            self.metrics.log({"step": 0, "val_loss": self.validate()})
+            self.metrics.log({"step": 0, "val_loss": self.validator.evaluate()})
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
@@ -473,7 +497,7 @@ class Trainer:
                 if not math.isfinite(stats["loss"]):
                     logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
                 if is_val:
-                    record["val_loss"] = self.validate()
+                    record["val_loss"] = self.validator.evaluate()
                 self.metrics.log(record)
                 window_time, window_wait, window_steps = 0.0, 0.0, 0
         except torch.OutOfMemoryError:

@@ -8,6 +8,7 @@ the loss is the sum of their token losses over the sum of their tokens, across a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Callable
 
@@ -15,33 +16,38 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.parallel import ParallelStep
 
 
 class Validator:
     def __init__(
         self,
+        model: nn.Module,
+        step: ParallelStep,
+        autocast: Callable[[], contextlib.AbstractContextManager],
         build_loader: Callable[[], object],
         max_batches: int,
         device: torch.device,
-        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ):
-        """``build_loader()`` gives this rank's finite loader of the split, whose ``accum_steps``
-        micro-batches make one global batch; a pass scores the first ``max_batches`` global
-        batches. ``loss_sum(inputs, labels)`` runs the model on one micro-batch and returns this
-        rank's summed next-token cross-entropy and its number of valid targets (the trainer's
-        ``eval_loss_sum``, which knows the parallel layout: context split, loss parallel).
-        ``global_sum(tensor)`` sums over the ranks of a parallel run in place. Every rank walks
-        the same global stream, so all of them run the same number of micro-batches."""
+        """Scores ``model`` (the run's, as ``parallelize_model`` laid it out) through its step
+        object: ``step.eval_loss_sum(inputs, labels, autocast)`` runs one micro-batch in the run's
+        layout (context split, loss parallel, pipeline schedule) and returns this rank's summed
+        next-token cross-entropy and its number of valid targets; ``step.step_sum`` sums them
+        over the ranks. ``build_loader()`` gives this rank's finite loader of the split, whose
+        ``accum_steps`` micro-batches make one global batch; a pass scores the first
+        ``max_batches`` global batches. Every rank walks the same global stream, so all of them
+        run the same number of micro-batches."""
+        self.model = model
+        self.step = step
+        self.autocast = autocast
         self.build_loader = build_loader
         self.max_batches = max_batches
         self.device = device
-        self.loss_sum = loss_sum
-        self.global_sum = global_sum
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> float:
+    def evaluate(self) -> float:
         """Mean next-token cross-entropy over the first ``max_batches`` global batches (MTP excluded)."""
+        model = self.model
         was_training = model.training
         model.eval()
         # [loss sum, token count], accumulated on the device and read once at the end.
@@ -49,11 +55,13 @@ class Validator:
         try:
             loader = self.build_loader()
             for inputs, labels in itertools.islice(loader, self.max_batches * loader.accum_steps):
-                batch_sum, batch_tokens = self.loss_sum(inputs.to(self.device), labels.to(self.device))
+                batch_sum, batch_tokens = self.step.eval_loss_sum(
+                    inputs.to(self.device), labels.to(self.device), self.autocast
+                )
                 totals += torch.stack([batch_sum.double(), batch_tokens.double()])
         finally:
             model.train(was_training)
-        loss_sum, n_tokens = self.global_sum(totals).tolist()
+        loss_sum, n_tokens = self.step.step_sum(totals).tolist()
         if n_tokens == 0:
             raise ConfigError(
                 "the validation split produced no batch: it is smaller than one global batch of "

@@ -30,8 +30,6 @@ def test_accumulated_micro_batches_equal_one_batch(tmp_path):
     big = _trainer(tmp_path, "big", 4)
     small = _trainer(tmp_path, "small", 2)
     assert (big.grad_accum_steps, small.grad_accum_steps) == (1, 2)
-    for t in (big, small):
-        t.train_iter = iter(t.train_loader)
     for _ in range(3):
         a = big.train_step(big.next_microbatches()[0])
         b = small.train_step(small.next_microbatches()[0])

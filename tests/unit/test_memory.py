@@ -65,20 +65,16 @@ def test_available_memory_on_cuda_counts_cached_free_blocks(monkeypatch):
     assert free == 14 * GiB and where == "NVIDIA H100 80GB HBM3 (cuda:0)"
 
 
-def test_the_trainer_asks_before_the_build_unless_switched_off(tmp_path, monkeypatch):
-    import trainer.train as train_module
-
-    def refuse(*args, **kwargs):
-        raise ConfigError("the run does not fit (stub)")
-
-    monkeypatch.setattr(train_module, "check_fits", refuse)
+def test_the_trainer_asks_before_the_build_unless_switched_off(tmp_path):
+    from trainer.train import Trainer
 
     def cfg(folder, *extra):
         return _cfg("--training.seq_len", "32", "--no-validation.enable", "--job.dump_folder", str(tmp_path / folder), *extra)
 
-    with pytest.raises(ConfigError, match="does not fit"):
-        train_module.Trainer(cfg("checked"))
-    train_module.Trainer(cfg("unchecked", "--no-training.check_memory_fit")).close()
+    # One MiB is less than any run needs: the check refuses before the build, unless it is off.
+    with pytest.raises(ConfigError, match=r"does not fit: .* > available 0\.0 GiB on cpu"):
+        Trainer(cfg("checked"), available_memory=MiB)
+    Trainer(cfg("unchecked", "--no-training.check_memory_fit"), available_memory=MiB).close()
 
 
 @pytest.mark.parametrize("flavor", ["proxy_1b", "16B"])  # with and without the query bottleneck

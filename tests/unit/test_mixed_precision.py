@@ -29,7 +29,6 @@ def _trainer(tmp_path, precision: str, local_batch: int = 2, cast: str = "fsdp")
 
 
 def _step_cast_bytes(trainer: Trainer) -> tuple[int, dict]:
-    trainer.train_iter = iter(trainer.train_loader)
     trainer.step = 1
     batches, _ = trainer.next_microbatches()
     stats = {}

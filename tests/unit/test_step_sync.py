@@ -41,7 +41,6 @@ def _trainer(tmp_path, *extra: str) -> Trainer:
 
 def _profiled_step(trainer: Trainer):
     """Profiles and counts the second step (the first creates the optimizer state)."""
-    trainer.train_iter = iter(trainer.train_loader)
     trainer.step = 1
     trainer.train_step(trainer.next_microbatches()[0])
     trainer.step = 2

@@ -145,7 +145,7 @@ class Training(Section):
     max_skipped_steps: int = option(
         10, "Stop when this many consecutive steps had a non-finite loss or grad norm (each is skipped)"
     )
-    debug_inject_nan_step: int = option(-1, "Debug: multiply the loss by NaN at this step; -1 = never")
+    debug_inject_nan_step: int = option(-1, "Debug: make the loss and gradients NaN at this step; -1 = never")
 
     def problems(self) -> list[str]:
         gbs, lbs = self.global_batch_size, self.local_batch_size
