@@ -52,6 +52,10 @@ LAYOUTS = {
         4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "4"],
     ),
     "pp_2_tp_2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--training.local_batch_size", "8"]),
+    "pp_2_cp_2": (4, ["--parallelism.pp", "2", "--parallelism.cp", "2", "--training.local_batch_size", "8"]),
+    "pp_2_ep_2_as_cp": (
+        4, ["--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp", "--training.local_batch_size", "8"],
+    ),
 }
 SINGLE = (1, ["--training.local_batch_size", "8"])
 # Engram blocks 1 and 3 on different pipeline stages (0-1 | 2-5), tables whole or split over 2 ranks.

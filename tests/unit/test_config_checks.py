@@ -115,7 +115,21 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
             ["refuses for compiled stages", "Interleaved1F1B"],
         ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|Lt*3"], ["exactly one L, at the end"]),
-        (4, ["--parallelism.pp", "2", "--parallelism.cp", "2"], ["context parallelism", "not supported yet"]),
+        # Read from the flavor table without torch: the debug model has 6 blocks and 4 heads, 671B 256 experts.
+        (8, ["--parallelism.pp", "8"], ["8 stages", "only 6 blocks"]),
+        (4, ["--parallelism.pp", "4", "--parallelism.pp_stages_per_rank", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],
+         ["8 stages", "only 6 blocks"]),
+        (8, ["--parallelism.tp", "8", "--training.seq_len", "64"], ["parallelism.tp = 8 must divide the model's n_heads = 4"]),
+        (64, ["--model.flavor", "671B", "--parallelism.pp", "64", "--training.local_batch_size", "64"], ["64 stages", "only 61 blocks"]),
+        (2, ["--model.flavor", "671b"], ["model.flavor", "did you mean '671B'"]),
+        (
+            4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.pp_schedule", "DualPipeV"],
+            ["before the weight pass", "1 x 2 x 1"],
+        ),
+        (
+            4, ["--parallelism.pp", "2", "--parallelism.cp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"],
+            ["FSDP / HSDP (here dp_replicate x dp_shard x cp = 1 x 1 x 2)", "1F1B or Interleaved1F1B"],
+        ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|t*3X"], ["cannot read 'X'"]),
         (4, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], ["pp_microbatches = 2 must divide training.local_batch_size = 3"]),
     ],
@@ -132,8 +146,11 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     run = ["--job.dump_folder", str(tmp_path / "run")]
     assert main(["--world-size", "4", *run, "--parallelism.ep", "2", "--training.global_batch_size", "64"]) == 0
     assert main(["--world-size=2", *run, "--parallelism.cp", "2", "--training.seq_len", "104"]) == 0
-    assert main(["--world-size", "8", *run, "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]) == 0
+    assert main(["--world-size", "2", *run, "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "4", "--parallelism.pp_layout", "Et|t*2|t*2|tL"]) == 0
+    assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.cp", "2"]) == 0
+    assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp"]) == 0
+    assert main(["--world-size", "64", *run, "--model.flavor", "671B", "--parallelism.pp", "8", "--parallelism.ep", "8"]) == 0
     assert capsys.readouterr().err == ""
 
 
@@ -146,11 +163,13 @@ def test_prelaunch_check_runs_without_torch(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from trainer.config.check import main\n"
-        f"sys.exit(main(['--world-size', '2', '--job.dump_folder', {str(tmp_path)!r}, '--parallelism.tp', '4']))\n"
+        f"sys.exit(main(['--world-size', '2', '--job.dump_folder', {str(tmp_path)!r}, '--parallelism.pp', '2', "
+        "'--parallelism.pp_stages_per_rank', '4', '--parallelism.pp_schedule', 'Interleaved1F1B']))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr
+    assert "the pipeline has 8 stages" in proc.stderr  # the flavor's block count, read without torch
 
 
 def test_config_files_must_be_utf8_without_bom(tmp_path):

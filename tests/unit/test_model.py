@@ -85,6 +85,8 @@ def test_flavors_are_fresh_and_valid():
     first.n_layers = 1
     again = get_flavor("671B")
     assert again.moe.top_k == 8 and again.n_layers == 61
+    # The torch-free table spells out the debug model, which is also the dataclass defaults.
+    assert get_flavor("debugmodel") == DeepSeekV3ModelArgs()
     proxy_total, _ = count_params(get_flavor("proxy_1b"))
     assert 0.8e9 < proxy_total < 1.3e9
 

@@ -34,8 +34,8 @@ def test_explicit_layout_and_its_mistakes():
 
 
 def test_layout_resolves_schedule_defaults():
-    layout = Layout(1, -1, 1, 1, 1, False, 8, pp=2, pp_schedule="DualPipeV")
-    assert (layout.dp_shard, layout.pp_stages_per_rank, layout.pp_microbatches, layout.pp_stages) == (4, 2, 4, 4)
+    layout = Layout(1, -1, 1, 1, 1, False, 2, pp=2, pp_schedule="DualPipeV")
+    assert (layout.dp_shard, layout.pp_stages_per_rank, layout.pp_microbatches, layout.pp_stages) == (1, 2, 4, 4)
     assert default_microbatches("1F1B", 4, 1) == 4 and default_microbatches("Interleaved1F1B", 4, 2) == 4
     with pytest.raises(ConfigError, match=r"8 stages .* only 6 blocks"):
         Layout(1, -1, 1, 1, 1, False, 4, pp=4, pp_schedule="Interleaved1F1B").check_stages(6, 1)

@@ -1,9 +1,10 @@
 """The pre-launch check: `python -m trainer.config.check --world-size N [options as for trainer.train]`.
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
-whose degrees do not fit NNODES x NGPU, a sequence the TP/CP splits do not divide, a dump folder
-that cannot be created, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
-second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
+whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
+TP/CP splits do not divide, a dump folder that cannot be created, with `--free-port` a
+single-node MASTER_PORT that is taken) fails in a second with one `config error: ...` line and
+exit code 2, instead of in every rank's traceback.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`).
 Torch-free.
 """
@@ -14,6 +15,7 @@ import errno
 import socket
 import sys
 
+from models.flavors.deepseek_v3 import flavor_fields
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
@@ -24,8 +26,20 @@ USAGE = "usage: python -m trainer.config.check --world-size N [--free-port ADDR:
 
 def check_job(argv: list[str], world_size: int) -> None:
     cfg = load_config(argv)
-    Layout.from_job(cfg, world_size)
+    check_model_fit(cfg, Layout.from_job(cfg, world_size))
     check_dump_folder(cfg.job.dump_folder)
+
+
+def check_model_fit(cfg, layout: Layout) -> None:
+    """The layout against the flavor's shape, read from its plain-data table (no torch): the
+    pipeline's stages against its blocks, TP against its heads, EP against its experts."""
+    try:
+        shape = flavor_fields(cfg.model.flavor)
+    except ValueError as e:
+        raise ConfigError(f"model.flavor: {e}") from None
+    layout.check_shapes(cfg.training.seq_len, n_heads=shape["n_heads"], num_experts=shape["moe"]["num_experts"])
+    mtp_depth = shape["mtp_depth"] if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
+    layout.check_stages(shape["n_layers"], mtp_depth)
 
 
 def check_free_port(address: str) -> None:

@@ -65,12 +65,6 @@ def combination_problems(cfg: Any) -> list[str]:
             "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
         )
     p = cfg.parallelism
-    if p.pp > 1 and (p.cp > 1 or p.ep_as_cp):
-        problems.append(
-            "parallelism.pp with context parallelism (parallelism.cp > 1 or ep_as_cp) is not supported yet: the "
-            "pipeline cuts every input by rows, and a context shard's positions and mask are per sequence; "
-            "use --parallelism.cp 1 (and no ep_as_cp) with pp, or pp 1."
-        )
     if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
         problems.append(
             f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, which "

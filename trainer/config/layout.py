@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from trainer.config.fields import ConfigError
 from trainer.config.pipeline_layout import (
+    ZERO_BUBBLE_SCHEDULES,
     default_microbatches,
     default_stages_per_rank,
     pp_layout_problems,
@@ -143,6 +144,15 @@ class Layout:
             return
         problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
         problems += pp_layout_problems(self.pp_layout, self.pp_stages)
+        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.data_parallel_enabled:
+            # FSDP reduces a block's gradients when backward reaches the block's input: in these
+            # schedules that is the input pass, before the weight pass has made the weight gradients.
+            problems.append(
+                f"parallelism.pp_schedule = {self.pp_schedule!r} splits each backward into input and weight passes, "
+                f"and FSDP / HSDP (here dp_replicate x dp_shard x cp = {self.dp_replicate} x {self.dp_shard} x "
+                f"{self.cp}) would reduce the gradients before the weight pass; use --parallelism.pp_schedule 1F1B "
+                "or Interleaved1F1B with data or context parallelism"
+            )
         if problems:
             raise LayoutError("; ".join(problems))
 
@@ -206,8 +216,8 @@ class Layout:
             raise LayoutError("; ".join(problems))
 
     def check_stages(self, n_layers: int, mtp_depth: int) -> None:
-        """The pipeline's stages fit the model's blocks (the model's sizes need torch: the trainer
-        checks this, before any work)."""
+        """The pipeline's stages fit the model's blocks (the pre-launch check and the trainer
+        check this, before any work)."""
         if self.pp_enabled:
             split_stages(n_layers, mtp_depth, self.pp_stages, self.pp_layout)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     _Action,
@@ -71,9 +72,9 @@ class StageModule(nn.Module):
     optimizer, checkpoints and FSDP see.
 
     Inputs: the first stage takes the tokens, the others ``(h, aux)`` from the previous stage;
-    every stage gets the tokens (for the attention mask), the labels (MTP) and the Engram ids of
-    its blocks as keyword arguments. Outputs: ``(h, aux)``, or on the last stage
-    ``(logits, aux, *mtp_logits)``.
+    every stage gets the tokens (for the attention mask), the labels (MTP), the Engram ids of
+    its blocks and, under context parallelism, the shard's global positions and attention mask
+    as keyword arguments. Outputs: ``(h, aux)``, or on the last stage ``(logits, aux, *mtp_logits)``.
     """
 
     def __init__(self, model: nn.Module, spec: StageSpec):
@@ -92,9 +93,9 @@ class StageModule(nn.Module):
         rank_engram = list(model.engram_layer_ids)
         self.engram_slots = [rank_engram.index(i) for i in spec.layers if i in rank_engram]
 
-    def forward(self, *acts, tokens, labels=None, engram_ids=None):
+    def forward(self, *acts, tokens, labels=None, engram_ids=None, positions=None, attn_mask=None):
         model = self._model[0]
-        freqs_cis, attn_mask = model.rope_and_mask(tokens)
+        freqs_cis, attn_mask = model.rope_and_mask(tokens, positions, attn_mask)
         if self.spec.first:
             h, aux = model.embed(tokens), None
         else:
@@ -150,10 +151,10 @@ class PipelineStep(ParallelStep):
         return mine
 
     # ----------------------------------------------------------------- the schedule
-    def schedule(self, device: torch.device, train: bool):
-        """The schedule over this rank's stages, made at its first use (on the run's device).
-        Validation has its own: a stage's receive buffers are made once, and need gradients
-        only for training."""
+    def schedule(self, device: torch.device, train: bool, kwargs: dict):
+        """The schedule over this rank's stages, made at its first use (on the run's device)
+        for inputs like ``kwargs``. Validation has its own: a stage's receive buffers are made
+        once, and need gradients only for training."""
         if train not in self._schedules:
             d = self.dims
             shape, dtype = self.activation_shape, self.activation_dtype
@@ -177,7 +178,7 @@ class PipelineStep(ParallelStep):
             single = issubclass(cls, PipelineScheduleSingle)
             schedule = cls(
                 stages[0] if single else stages, n_microbatches=d.pp_microbatches,
-                loss_fn=self._stage_loss, scale_grads=False,
+                loss_fn=self._stage_loss, kwargs_chunk_spec=_kwargs_chunk_spec(kwargs), scale_grads=False,
             )
             if not train and d.pp_schedule in ZERO_BUBBLE_SCHEDULES:
                 _forward_only(schedule, d.pp_microbatches)
@@ -188,25 +189,36 @@ class PipelineStep(ParallelStep):
         """The schedule's loss on the last stage: the trainer's objective while training (its
         loss and MTP terms are added to the step's totals); the summed cross-entropy in validation."""
         logits, aux, *mtp_logits = output
+        if target.dim() == 3:  # context parallelism: the labels and the MTP targets, stacked (`_run`)
+            target, *mtp_targets = target.unbind(1)
+        else:
+            mtp_targets = None
         if not self.model.training:
             loss_sum = self.value(cross_entropy_sum(logits, target))
             self._totals.append(torch.stack([loss_sum.double(), count_valid(target).double()]))
             return loss_sum
         # The objective reads only the micro-batch's labels (the schedule holds its inputs).
-        objective, loss, mtp = self._objective(ModelOutput(logits, mtp_logits, aux), MicroBatch(target, target))
+        objective, loss, mtp = self._objective(
+            ModelOutput(logits, mtp_logits, aux), MicroBatch(target, target, mtp_labels=mtp_targets)
+        )
         self._totals.append(torch.stack([self.value(loss.detach()), self.value(mtp.detach())]))
         return objective
 
     def _run(self, mb: MicroBatch, train: bool) -> list[torch.Tensor]:
         kwargs = {"tokens": mb.inputs, **{k: v for k, v in mb.model_kwargs.items() if v is not None}}
+        target = mb.labels
         if train:
             kwargs["labels"] = mb.labels
-        schedule = self.schedule(mb.inputs.device, train)
+            if mb.mtp_labels is not None:
+                # The schedule cuts one target tensor by rows; the MTP targets of a context shard
+                # were shifted on the whole sequence, so they travel with the labels.
+                target = torch.stack([mb.labels, *mb.mtp_labels], dim=1)
+        schedule = self.schedule(mb.inputs.device, train, kwargs)
         self._totals = []
         args = (mb.inputs,) if any(s.first for s in self.specs) else ()
         run = schedule.step if train else schedule.eval
         # The last stage's outputs stay unmerged: the loss function has taken what it needs.
-        run(*args, target=mb.labels, return_outputs=False, **kwargs)
+        run(*args, target=target, return_outputs=False, **kwargs)
         totals, self._totals = self._totals, []
         return totals
 
@@ -260,6 +272,21 @@ class PipelineStep(ParallelStep):
         if max_norm > 0:
             local_tensor(embed.grad).mul_(clip_coefficient(norm, max_norm))
         return norm
+
+
+def _kwargs_chunk_spec(kwargs: dict) -> dict:
+    """How the schedule cuts each keyword input into micro-batches: by rows, except what every
+    sequence shares, which each micro-batch gets whole: a context shard's positions (one per
+    token of the shard) and an attention mask broadcast over the batch (torch cuts a BlockMask
+    with one row that way itself). torch has no public spec for an input every micro-batch gets
+    whole: `_Replicate` is private, passed as the class, which old and new torch versions accept."""
+    spec = {name: TensorChunkSpec(0) for name in kwargs}
+    if "positions" in kwargs:
+        spec["positions"] = _Replicate
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape[0] == 1:
+        spec["attn_mask"] = _Replicate
+    return spec
 
 
 def _forward_only(schedule, n_microbatches: int) -> None:
