@@ -2,7 +2,7 @@
 # Every GPU measurement of the MoE-step efficiency work (issue 13) in one run, one table at the end.
 # Installs nothing: needs torch with CUDA (and torchao for float8) already importable.
 #
-#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100
+#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100 without F (F: two compiled proxy_1b)
 #   GPU_CHECK_OUT=$OUT bash benchmarks/gpu_check.sh  # keep the JSON results, logs and traces there
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh # the same commands at tiny sizes on CPU (wiring test)
 #
