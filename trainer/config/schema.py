@@ -36,7 +36,7 @@ class Job(Section):
 
 @dataclass
 class Model(Section):
-    name: str = option("deepseek_v3", "Model family")
+    name: Literal["deepseek_v3"] = option("deepseek_v3", "Model family")
     flavor: str = option("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
     tokenizer_path: str = option("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
     attn_backend: Literal["sdpa", "flex"] = option("sdpa", "Attention kernel")
