@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer.checkpoint.integrity import ChecksumWriter, checksum_problems, record_checksums  # noqa: E402
+from trainer.checkpoint.integrity import ChecksumWriter, checksum_problems, record_checksums
 
 
 def drop_page_cache(folder: Path) -> None:

@@ -37,20 +37,15 @@ import gc
 import json
 import os
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-# Runs from a checkout without `pip install -e .`, like step_bench.py.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from models.deepseek_v3 import DeepSeekV3Model, get_flavor, mtp_loss  # noqa: E402
-from trainer.loss import cross_entropy_sum  # noqa: E402
-from trainer.parallel.compile import apply_compile, compiled_cross_entropy_sum  # noqa: E402
-from trainer.parallel.distributed import init_local_gloo, spawn_local  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor, mtp_loss
+from trainer.diagnostics import init_local_gloo, spawn_local
+from trainer.loss import cross_entropy_sum
+from trainer.parallel.compile import apply_compile, compiled_cross_entropy_sum
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -36,13 +36,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.deepseek_v3 import DeepSeekV3Model, get_flavor, mtp_loss  # noqa: E402
-from models.moe import MoE  # noqa: E402
-from models.moe.balance import update_expert_bias  # noqa: E402
-from trainer.loss import cross_entropy_sum  # noqa: E402
-from trainer.parallel.compile import apply_compile, compiled_cross_entropy_sum  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor, mtp_loss
+from models.moe import MoE
+from models.moe.balance import update_expert_bias
+from trainer.loss import cross_entropy_sum
+from trainer.parallel.compile import apply_compile, compiled_cross_entropy_sum
 
 MTP_LOSS_WEIGHT = 0.3  # the trainer's default `model.mtp_loss_weight`
 

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.deepseek_v3 import get_flavor  # noqa: E402
-from trainer.parallel.distributed import init_local_gloo, spawn_local  # noqa: E402
+from models.deepseek_v3 import get_flavor
+from trainer.diagnostics import init_local_gloo, spawn_local
 
 FLAVORS = ("debugmodel", "16B", "671B")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

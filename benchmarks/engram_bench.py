@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.deepseek_v3 import DeepSeekV3Model, get_flavor  # noqa: E402
-from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_table_params, find_primes  # noqa: E402
-from trainer.parallel.engram_parallel import shard_rows  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor
+from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_table_params, find_primes
+from trainer.parallel.engram_parallel import shard_rows
 
 
 def step_time(args, engram: EngramArgs | None, batch: int, seq_len: int, steps: int, device) -> float:

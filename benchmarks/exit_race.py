@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 ABORT = "terminate called without an active exception"
 
 
@@ -55,7 +53,7 @@ if sys.argv[1] == "exit_process":
 
 def launch(plain_exit: bool) -> str | None:
     """One torchrun job; None when it succeeded, else the reason it failed."""
-    from trainer.parallel.distributed import free_port
+    from trainer.diagnostics import free_port
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",

@@ -2,7 +2,7 @@
 # Every GPU measurement of the MoE-step efficiency work (issue 13) in one run, one table at the end.
 # Installs nothing: needs torch with CUDA (and torchao for float8) already importable.
 #
-#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100
+#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100 without F (F: two compiled proxy_1b)
 #   GPU_CHECK_OUT=$OUT bash benchmarks/gpu_check.sh  # keep the JSON results, logs and traces there
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh # the same commands at tiny sizes on CPU (wiring test)
 #
@@ -16,6 +16,9 @@
 #   C  moe_bench at proxy_1b sizes, 16384 tokens, bf16: MoE layer time / dense-ideal time.
 #   E  step_bench proxy_1b, bf16, eager, batch 1 x 4096, with --profile: the weight-cast bytes and
 #      the Python-level host reads of one step (both counted by modes that compiled code bypasses).
+#   F  step_bench proxy_1b, bf16, compile, batch 4 x 4096, one process: the weight-cast policy A/B,
+#      FSDP2 on a one-rank mesh (the default) vs plain autocast (training.one_process_cast),
+#      tokens/s and peak memory side by side; docs/performance.md has the decision rule.
 # A failed or timed-out measurement shows as "failed" in the table (its log says why); the
 # others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
 set -u
@@ -39,6 +42,7 @@ if [ "$DRY" = "1" ]; then
     D_VARIANTS=eager,eager_float8
     C_ARGS=(--flavor debugmodel --tokens 256 --dtype fp32 --rounds 2 --warmup 1)
     E_ARGS=(--flavor debugmodel --dtype bf16 --seq-len 32 --batch-size 1 --variants eager)
+    F_ARGS=(--flavor debugmodel --dtype bf16 --seq-len 32 --batch-size 1 --variants eager,eager_autocast)
     TIMING=(--steps 1 --repeats 1 --warmup 1)
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -61,6 +65,7 @@ print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m)
     D_VARIANTS=compile_float8
     C_ARGS=(--flavor proxy_1b --tokens 16384 --dtype bf16)
     E_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
+    F_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile,compile_autocast)
     TIMING=(--steps 5 --repeats 2 --warmup 2)
 fi
 
@@ -83,6 +88,7 @@ run D "$PY" "$ROOT/benchmarks/step_bench.py" "${B_ARGS[@]}" --variants "$D_VARIA
 run C "$PY" "$ROOT/benchmarks/moe_bench.py" "${C_ARGS[@]}" --device "$DEVICE"
 run E "$PY" "$ROOT/benchmarks/step_bench.py" "${E_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" \
     --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/E.json"
+run F "$PY" "$ROOT/benchmarks/step_bench.py" "${F_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" --json "$OUT_DIR/F.json"
 
 "$PY" - "$OUT_DIR" <<'EOF'
 import json
@@ -113,7 +119,7 @@ def fmt(value, spec):
 
 
 rows = []
-a, b, c, d, e = load("A"), load("B"), load("C"), load("D"), load("E")
+a, b, c, d, e, f = load("A"), load("B"), load("C"), load("D"), load("E"), load("F")
 for tag, res in (("A", a), ("E", e)):
     if res is None:
         rows.append((f"{tag} step proxy_1b", f"failed, see {tag}.log", last_line(tag)))
@@ -143,6 +149,16 @@ float8 = [r for v, r in (d or {}).get("variants", {}).items() if "float8" in v]
 if b is not None and b["variants"] and float8:
     base = next(iter(b["variants"].values()))["tokens_per_s"]
     rows.append(("D / B", "float8 speed-up (tokens/s ratio)", fmt(float8[0]["tokens_per_s"] / base, ".3f")))
+if f is None:
+    rows.append(("F cast policy proxy_1b", "failed, see F.log", last_line("F")))
+else:
+    shape = f"{f['flavor']} {f['dtype']} {f['batch_size']}x{f['seq_len']}"
+    for variant, r in f["variants"].items():
+        rows.append((f"F {shape} {variant}", "tokens/s", fmt(r["tokens_per_s"], ",.0f")))
+        rows.append((f"F {shape} {variant}", "peak memory MiB", fmt(r["peak_mem_mib"], ".0f")))
+    fsdp, autocast = f["variants"].values()
+    rows.append(("F FSDP2 cast / autocast", "tokens/s ratio (keep FSDP2 on one process only if > 1.03)",
+                 fmt(fsdp["tokens_per_s"] / autocast["tokens_per_s"], ".3f")))
 if c is None:
     rows.append(("C moe_bench", "failed, see C.log", last_line("C")))
 else:
@@ -150,13 +166,13 @@ else:
         where = f"C moe_bench {c['flavor']} {c['tokens']} tokens {c['dtype']} {r['variant']}"
         rows.append((where, "time / dense ideal", fmt(r["ratio_to_ideal"], ".2f")))
 
-device = next((x["device"] for x in (a, b, c, d, e) if x is not None), "unknown")
+device = next((x["device"] for x in (a, b, c, d, e, f) if x is not None), "unknown")
 print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")
 print("| measurement | figure | value |")
 print("|---|---|---|")
 for row in rows:
     print("| " + " | ".join(row) + " |")
-failed = [n for n in "ABCDE" if (out / f"{n}.rc").read_text().strip() != "0"]
+failed = [n for n in "ABCDEF" if (out / f"{n}.rc").read_text().strip() != "0"]
 if failed:
     print(f"\nfailed: {', '.join(failed)} (see {', '.join(n + '.log' for n in failed)})")
 sys.exit(1 if failed else 0)

@@ -21,18 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.model_overrides import apply_overrides  # noqa: E402
-from models.deepseek_v3 import DeepSeekV3Model, get_flavor  # noqa: E402
-from trainer.parallel.grad_norm import grad_norm  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor
+from trainer.diagnostics import apply_overrides
+from trainer.parallel.grad_norm import grad_norm
 
 
 def fp64_per_tensor(params: list[torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,7 @@ machine noise hits them alike; the reported time is the median over rounds.
 
 `--compile` runs every variant through `torch.compile` (the trainer's dynamo settings); on one
 device the MoE block is then one graph. `--model-override key=value` (repeatable) changes a
-field of the flavor's `DeepSeekV3ModelArgs` (`moe.*` for `MoEArgs`; benchmarks/model_overrides.py).
+field of the flavor's `DeepSeekV3ModelArgs` (`moe.*` for `MoEArgs`; trainer/diagnostics/model_overrides.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import torch
 from models.common.ffn import FeedForward
 from models.deepseek_v3 import get_flavor
 from models.moe import MoE
+from trainer.diagnostics import apply_overrides
 from trainer.parallel.compile import compile_dynamo_config
-
-from model_overrides import apply_overrides
 
 
 def _sync(device: torch.device) -> None:
@@ -78,7 +77,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--model-override", action="append", default=[], metavar="KEY=VALUE",
-        help="change a field of the flavor, e.g. dim=2048 or moe.top_k=6 (repeatable; see benchmarks/model_overrides.py)",
+        help="change a field of the flavor, e.g. dim=2048 or moe.top_k=6 (repeatable; see trainer/diagnostics/model_overrides.py)",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's forward")
     a = p.parse_args()

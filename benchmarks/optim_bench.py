@@ -19,19 +19,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.model_overrides import apply_overrides  # noqa: E402
-from models.deepseek_v3 import DeepSeekV3Model, get_flavor  # noqa: E402
-from trainer.config import JobConfig  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3Model, get_flavor
+from trainer.config import JobConfig
+from trainer.diagnostics import apply_overrides
+from trainer.optim import build_optimizer
 
 SETTINGS = (("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"), ("muon", "bfloat16"))
 

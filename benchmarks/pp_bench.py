@@ -31,12 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.config.pipeline_layout import PP_SCHEDULES, default_microbatches, default_stages_per_rank
+from trainer.diagnostics import spawn_local
+from trainer.run_folder import latest_run_folder
 
-from trainer.config.pipeline_layout import PP_SCHEDULES, default_microbatches, default_stages_per_rank  # noqa: E402
-from trainer.parallel.distributed import spawn_local  # noqa: E402
-from trainer.run_folder import latest_run_folder  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STAGE_WORK = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 

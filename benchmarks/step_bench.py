@@ -47,20 +47,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.model_overrides import ModelOverrideError, apply_overrides  # noqa: E402
-from models.deepseek_v3 import get_flavor  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.data import build_tokenizer  # noqa: E402
-from trainer.memory import estimate  # noqa: E402
-from trainer.mixed_precision import weight_cast_bytes  # noqa: E402
-from trainer.profiling import profile_step  # noqa: E402
-from trainer.runtime import resolve_path  # noqa: E402
-from trainer.train import Trainer, build_model_args  # noqa: E402
+from models.deepseek_v3 import get_flavor
+from trainer.config import load_config
+from trainer.data import build_tokenizer
+from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_step, weight_cast_bytes
+from trainer.memory import estimate
+from trainer.runtime import resolve_path
+from trainer.train import Trainer, build_model_args
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "
@@ -71,6 +66,9 @@ VARIANTS = {
     "compile": ["--training.compile"],
     "eager_float8": ["--quantize.float8"],
     "compile_float8": ["--training.compile", "--quantize.float8"],
+    # One-process bf16 cast policy (docs/performance.md): "eager"/"compile" are FSDP2's cast.
+    "eager_autocast": ["--training.one_process_cast", "autocast"],
+    "compile_autocast": ["--training.compile", "--training.one_process_cast", "autocast"],
     # Optimizers (docs/optimizers.md): AdamW fp32 is "eager".
     "adamw_bf16": ["--optimizer.state_dtype", "bfloat16"],
     "muon": ["--optimizer.name", "muon"],

@@ -24,17 +24,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.deepseek_v3 import DeepSeekV3StateDictAdapter  # noqa: E402
-from models.deepseek_v3.hf_io import (  # noqa: E402
+from models.deepseek_v3 import DeepSeekV3StateDictAdapter
+from models.deepseek_v3.hf_io import (
     args_from_hf_config,
     read_hf_config,
     read_hf_state_dict,
     write_hf_checkpoint,
 )
-from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
-from trainer.checkpoint import (  # noqa: E402
+from models.deepseek_v3.state_dict_adapter import to_hf_config
+from trainer.checkpoint import (
     CheckpointError,
     read_model_args,
     read_model_state_dict,

@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.deepseek_v3 import flavor_names  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
-from trainer.config.pipeline_layout import (  # noqa: E402
+from models.deepseek_v3 import flavor_names
+from trainer.config import ConfigError
+from trainer.config.pipeline_layout import (
     PP_SCHEDULES,
     default_microbatches,
     default_stages_per_rank,
 )
-from trainer.memory import ACT_BYTES, estimate  # noqa: E402
+from trainer.memory import ACT_BYTES, estimate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ On CUDA three more terms (docs/performance.md "Memory estimate"):
 * the cuBLAS workspace: 32 MiB per stream (``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 on Hopper).
 Not modelled: CUDA context and NCCL buffers (outside torch's allocator), fragmentation between
 steps, temporary buffers inside kernels. Checked against the debug flavor's measured peak on CPU
-(tests/unit/test_step_bench.py, within 15%); on CUDA through benchmarks/gpu_check.sh.
+(tests/benchmarks/test_step_bench.py, within 15%); on CUDA through benchmarks/gpu_check.sh.
 """
 
 from __future__ import annotations

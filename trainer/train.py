@@ -70,12 +70,7 @@ from trainer.validate import Validator
 
 logger = logging.getLogger("trainer")
 
-MODEL_NAMES = ("deepseek_v3",)
-
-
 def resolve_flavor(cfg: JobConfig) -> DeepSeekV3ModelArgs:
-    if cfg.model.name not in MODEL_NAMES:
-        raise ConfigError(f"model.name = {cfg.model.name!r} is unknown; available: {', '.join(MODEL_NAMES)}")
     try:
         return get_flavor(cfg.model.flavor)
     except ValueError as e:

@@ -189,10 +189,11 @@ class DeepSeekV3Model(nn.Module):
         layers = list(self.layers.values() if layers is None else layers)
         engram_layers = [layer for layer in layers if layer.engram is not None]
         engram_rows = self._engram_rows(engram_ids, engram_layers)
+        engram_slot = {layer.layer_id: i for i, layer in enumerate(engram_layers)}
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for layer in layers:
             if layer.engram is not None:
-                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[engram_layers.index(layer)])
+                h, layer_aux = layer(h, freqs_cis, attn_mask, engram_rows[engram_slot[layer.layer_id]])
             else:
                 h, layer_aux = layer(h, freqs_cis, attn_mask)
             aux_loss = aux_loss + layer_aux

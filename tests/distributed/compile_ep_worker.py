@@ -26,9 +26,9 @@ from torch._dynamo.utils import counters
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoE
+from trainer.diagnostics import init_local_gloo
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.compile import apply_compile, compiled_cross_entropy_sum
-from trainer.parallel.distributed import init_local_gloo
 from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims

@@ -13,10 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
-from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_modules
+from models.engram import EngramArgs, EngramTable, NgramHasher, TokenCompression, engram_modules
+from trainer.diagnostics import init_local_gloo
 from trainer.loss import cross_entropy_sum
-from trainer.parallel.distributed import init_local_gloo
-from trainer.parallel.engram_parallel import table_row_ranges
 from trainer.parallel.weight_init import global_name
 
 VOCAB, B, S = 32, 2, 16
@@ -219,7 +218,11 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
     DTensor (routed experts under EP included) gets its shard. Parameter identity is kept."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
-    table_rows = table_row_ranges(model, global_name)  # Engram tables may hold a row range only
+    table_rows = {  # Engram tables may hold a row range only: [start, stop) global rows held here
+        global_name(f"{name}.weight"): (m.row_start, m.row_start + m.weight.shape[0])
+        for name, m in model.named_modules()
+        if isinstance(m, EngramTable)
+    }
     for raw_name, tensor in tensors.items():
         name = global_name(raw_name)
         if name not in full:

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 from models.moe import MoE
-from trainer.parallel.distributed import init_local_gloo, local_tensor
-from trainer.profiling import HostReadCounter
+from trainer.diagnostics import HostReadCounter, init_local_gloo
+from trainer.parallel.distributed import local_tensor
 
 N_LAYERS, B, S = 2, 2, 16
 

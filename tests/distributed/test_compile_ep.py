@@ -9,7 +9,7 @@ import compile_ep_worker
 import pytest
 import torch
 
-from trainer.parallel.distributed import spawn_local
+from trainer.diagnostics import spawn_local
 
 # Per compiled mode (training, then validation): the dense block, the MoE block's three pieces
 # (before dispatch(), between the exchanges, after exchange_back()), and the loss (training only).

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from models.common.attention import MLA, build_attention_mask
 from models.common.rope import precompute_freqs_cis
-from trainer.parallel.distributed import init_local_gloo, spawn_local
+from trainer.diagnostics import init_local_gloo, spawn_local
 
 WORLD = 2
 B, S, DIM, EOS = 2, 16, 32, 3

@@ -12,7 +12,7 @@ import pytest
 
 import engram_worker
 
-from trainer.parallel.distributed import spawn_local
+from trainer.diagnostics import spawn_local
 
 
 def _launch(world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) -> dict:

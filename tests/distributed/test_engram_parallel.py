@@ -12,7 +12,7 @@ the other ranks): logits and every gradient against the unsplit model.
 import pytest
 import engram_worker
 
-from trainer.parallel.distributed import spawn_local
+from trainer.diagnostics import spawn_local
 
 N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
 

@@ -1,4 +1,5 @@
-"""The local gloo launcher (`spawn_local`) and the collective helpers of trainer/parallel/distributed.py."""
+"""The local gloo launcher (`spawn_local`, trainer/diagnostics/launch.py) and the collective helpers of
+trainer/parallel/distributed.py."""
 
 import os
 import subprocess
@@ -9,15 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.parallel.distributed import (
-    all_ranks_any,
-    all_reduce_sum,
-    global_rank,
-    global_world_size,
-    init_local_gloo,
-    is_distributed,
-    spawn_local,
-)
+from trainer.diagnostics import init_local_gloo, spawn_local
+from trainer.parallel.distributed import all_ranks_any, all_reduce_sum, global_rank, global_world_size, is_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

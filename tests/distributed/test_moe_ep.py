@@ -3,7 +3,7 @@ MoE's outputs and gradients, and reads the host once per MoE layer (the split si
 
 import moe_ep_worker
 
-from trainer.parallel.distributed import spawn_local
+from trainer.diagnostics import spawn_local
 
 
 def test_ep2_matches_single_process_with_one_host_read_per_layer():

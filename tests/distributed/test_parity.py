@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 from trainer.parallel.fsdp import EXPERTS_IN_BLOCK_UNIT
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs, moe_modules, update_expert_bias
+from trainer.diagnostics import init_local_gloo, spawn_local
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.parallel.distributed import init_local_gloo, spawn_local
 
 STEPS = 5
 GLOBAL_BATCH = 2

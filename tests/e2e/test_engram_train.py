@@ -11,7 +11,7 @@ import pytest
 
 from models.engram import find_primes
 from trainer.config import load_config
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
 from trainer.train import build_model_args
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
 
 REPO = Path(__file__).resolve().parents[2]

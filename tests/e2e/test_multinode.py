@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
 from trainer.train import Trainer
 

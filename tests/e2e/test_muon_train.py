@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_layout_parity import COMMON, LAYOUTS, SINGLE, _assert_close, _run
 
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]

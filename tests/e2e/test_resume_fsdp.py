@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from trainer.checkpoint import list_checkpoints
-from trainer.parallel.distributed import free_port
+from trainer.diagnostics import free_port
 from trainer.train import main
 
 REPO = Path(__file__).resolve().parents[2]

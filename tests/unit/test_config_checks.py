@@ -122,6 +122,7 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (8, ["--parallelism.tp", "8", "--training.seq_len", "64"], ["parallelism.tp = 8 must divide the model's n_heads = 4"]),
         (64, ["--model.flavor", "671B", "--parallelism.pp", "64", "--training.local_batch_size", "64"], ["64 stages", "only 61 blocks"]),
         (2, ["--model.flavor", "671b"], ["model.flavor", "did you mean '671B'"]),
+        (1, ["--model.name", "llama3"], ["model.name = 'llama3' is not allowed", "deepseek_v3"]),
         (
             4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.pp_schedule", "DualPipeV"],
             ["before the weight pass", "1 x 2 x 1"],

@@ -1,19 +1,21 @@
 """bf16 on one process: FSDP2's mixed precision casts every weight once per step (not at every
-use, as autocast alone does), while master weights, gradients and optimizer state stay fp32."""
+use, as autocast alone does, `training.one_process_cast = "autocast"`), while master weights,
+gradients and optimizer state stay fp32."""
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.config import load_config
-from trainer.mixed_precision import weight_cast_bytes
+from trainer.diagnostics import weight_cast_bytes
 from trainer.train import Trainer
 
 
-def _trainer(tmp_path, precision: str, local_batch: int = 2) -> Trainer:
+def _trainer(tmp_path, precision: str, local_batch: int = 2, cast: str = "fsdp") -> Trainer:
     cfg = load_config(
         [
             "--job.config_file", "train_configs/debug_model.toml",
-            "--job.dump_folder", str(tmp_path / precision),
+            "--job.dump_folder", str(tmp_path / f"{precision}_{cast}"),
+            "--training.one_process_cast", cast,
             "--training.seq_len", "32",
             "--training.local_batch_size", str(local_batch),
             "--training.global_batch_size", "2",
@@ -56,3 +58,17 @@ def test_fp32_run_is_not_wrapped_and_casts_nothing(tmp_path):
         assert _step_cast_bytes(trainer)[0] == 0
     finally:
         trainer.close()
+
+
+def test_one_process_cast_autocast_is_not_wrapped_and_casts_at_every_use(tmp_path):
+    fsdp, autocast = _trainer(tmp_path, "bfloat16", 1), _trainer(tmp_path, "bfloat16", 1, cast="autocast")
+    try:
+        params = list(autocast.model.parameters())
+        assert not any(isinstance(p, DTensor) for p in params)
+        (fsdp_cast, fsdp_stats), (cast, stats) = _step_cast_bytes(fsdp), _step_cast_bytes(autocast)
+        assert cast > fsdp_cast  # each of the 2 micro-batches casts the weights it uses again
+        # Same weights and batches, both computing in bf16: the policies differ only in rounding.
+        assert abs(stats["loss"] - fsdp_stats["loss"]) < 1e-2 * fsdp_stats["loss"]
+    finally:
+        fsdp.close()
+        autocast.close()

@@ -15,7 +15,7 @@ from models.deepseek_v3 import DeepSeekV3ModelArgs
 import models.moe.dispatcher as dispatcher_module
 from models.moe import MoE
 from models.moe.permutation import permute, sort_by_expert, unpermute
-from trainer.profiling import HostReadCounter
+from trainer.diagnostics import HostReadCounter
 
 ATOMIC_OPS = ("aten::index_add", "aten::index_put", "aten::scatter_add")
 

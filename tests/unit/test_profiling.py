@@ -96,7 +96,7 @@ def test_bad_profiling_options(argv):
 
 
 def test_profile_step_counts_host_reads_and_leaf_ops(tmp_path):
-    from trainer.profiling import profile_step
+    from trainer.diagnostics import profile_step
 
     x = torch.tensor([1.0, -2.0, 3.0])
 

@@ -12,9 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config import load_config
+from trainer.diagnostics import HostReadCounter
 from trainer.loss import IGNORE_INDEX
 from trainer.parallel import ParallelDims, ParallelStep
-from trainer.profiling import HostReadCounter
 from trainer.train import Trainer
 
 LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}

@@ -270,10 +270,6 @@ class Layout:
         return self.engram_mesh_name + "_replicate"
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_degree > 1
-
-    @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 

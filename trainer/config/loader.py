@@ -173,9 +173,12 @@ def _parse_cli(argv: list[str], config_cls: type[JobConfig]) -> list[tuple[str, 
 
 
 def _unknown_option(typed: str, name: str, sections: dict[str, type]) -> str:
-    nearest = _nearest_key(name, sections)
-    hint = f"; did you mean --{nearest}?" if nearest else "."
     section, _, key = name.partition(".")
+    if name in REMOVED_OPTIONS:
+        hint = f" was removed ({REMOVED_OPTIONS[name]}); drop it."
+    else:
+        nearest = _nearest_key(name, sections)
+        hint = f"; did you mean --{nearest}?" if nearest else "."
     if section in sections:
         valid = f"Valid keys in [{section}]: {', '.join(options_of(sections[section]))}."
     else:
@@ -199,7 +202,17 @@ def _did_you_mean(word: str, candidates: list[str], template: str) -> str:
     return f"; did you mean {template.format(close[0])}?" if close else "."
 
 
+# Options this trainer had and dropped: the hint says why instead of pointing at a near spelling.
+REMOVED_OPTIONS = {
+    "parallelism.expert_parallel_comm_backend": "the all-to-all exchange is the only expert-parallel one",
+    "engram.mesh_name": "the Engram table's mesh is always named 'engram'",
+}
+
+
 def _key_hint(section: str, key: str, options: dict) -> str:
+    removed = REMOVED_OPTIONS.get(f"{section}.{key}")
+    if removed is not None:
+        return f" was removed ({removed}); drop it."
     foreign = FOREIGN_NAMES.get(key)
     if foreign is not None:
         return f"; did you mean {foreign}?"

@@ -36,7 +36,7 @@ class Job(Section):
 
 @dataclass
 class Model(Section):
-    name: str = option("deepseek_v3", "Model family")
+    name: Literal["deepseek_v3"] = option("deepseek_v3", "Model family")
     flavor: str = option("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
     tokenizer_path: str = option("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
     attn_backend: Literal["sdpa", "flex"] = option("sdpa", "Attention kernel")
@@ -123,6 +123,10 @@ class Training(Section):
     compile: bool = option(False, "Apply torch.compile to the model blocks")
     mixed_precision_param: Literal["bfloat16", "float32"] = option(
         "bfloat16", "Dtype of parameters in forward/backward (master weights stay fp32)"
+    )
+    one_process_cast: Literal["fsdp", "autocast"] = option(
+        "fsdp", "One process, bfloat16: fsdp = FSDP2 casts each weight once per step; autocast = plain autocast "
+        "casts at every use, no process group (benchmarks/step_bench.py compares them, docs/performance.md)"
     )
     max_norm: float = option(1.0, "Gradient clipping max norm; 0 = no clipping")
     device: Literal["auto", "cpu", "cuda"] = option("auto", "Device type; auto = cuda when available, else cpu")

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 
-from trainer.config.combinations import LOCAL_FORMATS as LOCAL_DATASET_NAMES
+from trainer.config.combinations import LOCAL_FORMATS
 from trainer.data.shared_tokenize import SharedTokenizer
 from trainer.data.tokenizer import Tokenizer
 
@@ -60,7 +60,7 @@ TEXT_COLUMN = "text"
 BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus" / "shakespeare.jsonl.gz"
 
 # Extension -> HF builder for local files; a compression suffix after it is handled by HF.
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+EXTENSION_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 
 # Documents tokenised together (tiktoken encodes a batch in parallel threads; with a token group
@@ -420,7 +420,7 @@ def _load_documents(
             )
         data = datasets.load_dataset("json", data_files=str(BUNDLED_CORPUS), split="train", streaming=bool(streaming))
         return data, split, "shakespeare"
-    if dataset in LOCAL_DATASET_NAMES:
+    if dataset in LOCAL_FORMATS:
         builder, files = _resolve_local_files(dataset, dataset_path)
         empty = [f for f in files if Path(f).stat().st_size == 0]
         if empty:
@@ -477,7 +477,7 @@ def _local_format(path: Path) -> str | None:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
         suffixes.pop()
-    return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
+    return EXTENSION_BUILDERS.get(suffixes[-1]) if suffixes else None
 
 
 def _resolve_local_files(fmt: str, dataset_path: str | None) -> tuple[str, list[str]]:
@@ -490,10 +490,10 @@ def _resolve_local_files(fmt: str, dataset_path: str | None) -> tuple[str, list[
         if not files:
             raise FileNotFoundError(f"no files match dataset_path {dataset_path!r}")
     elif path.is_dir():
-        wanted = set(LOCAL_FORMATS.values()) if fmt == "auto" else {fmt}
+        wanted = set(EXTENSION_BUILDERS.values()) if fmt == "auto" else {fmt}
         files = sorted(f for f in path.rglob("*") if f.is_file() and _local_format(f) in wanted)
         if not files:
-            kinds = "/".join(ext for ext, b in LOCAL_FORMATS.items() if fmt in ("auto", b))
+            kinds = "/".join(ext for ext, b in EXTENSION_BUILDERS.items() if fmt in ("auto", b))
             raise FileNotFoundError(f"dataset_path directory {path} has no {kinds} files")
     elif path.is_file():
         files = [path]
@@ -505,6 +505,6 @@ def _resolve_local_files(fmt: str, dataset_path: str | None) -> tuple[str, list[
     if len(formats) != 1 or None in formats:
         raise ValueError(
             f"cannot auto-detect the format of {dataset_path!r} (found {sorted(map(str, formats))}); "
-            f"use files ending in {sorted(LOCAL_FORMATS)} (optionally compressed) or pass dataset='json'/'text'/'parquet'"
+            f"use files ending in {sorted(EXTENSION_BUILDERS)} (optionally compressed) or pass dataset='json'/'text'/'parquet'"
         )
     return formats.pop(), [str(f) for f in files]

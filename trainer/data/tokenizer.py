@@ -198,10 +198,6 @@ class Tokenizer:
         return cls(encoding, bos_token=bos, eos_token=eos, pad_token=pad)
 
     @property
-    def encoding(self) -> tiktoken.Encoding:
-        return self._encoding
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids, special tokens included (the embedding table size)."""
         return self._encoding.n_vocab

@@ -279,15 +279,6 @@ def reduce_table_grads(model: nn.Module) -> None:
         all_reduce_table_grads(model, lookup.replicate_group)
 
 
-def table_row_ranges(model: nn.Module, clean=lambda name: name) -> dict[str, tuple[int, int]]:
-    """Table weight name (after `clean`) -> [start, stop) global rows held here."""
-    return {
-        clean(f"{name}.weight"): (m.row_start, m.row_start + m.weight.shape[0])
-        for name, m in model.named_modules()
-        if isinstance(m, EngramTable)
-    }
-
-
 class _ShardedTableStateDict:
     """state_dict hook: the local rows as a `DTensor` view (shares storage: DCP loads in place)."""
 

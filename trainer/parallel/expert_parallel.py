@@ -77,24 +77,16 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     Args:
         num_experts: routed experts of the layer (global).
         ep_group: the "ep" mesh's process group.
-        ep_rank, ep_size: this rank's index in it and its size.
+        ep_size: its size.
     """
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, ep_rank: int, ep_size: int):
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, ep_size: int):
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the ep degree {ep_size}")
         self.num_experts = num_experts
         self.group = ep_group
-        self.ep_rank = ep_rank
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
-
-    @property
-    def local_expert_range(self) -> tuple[int, int]:
-        """[first, last) global expert ids held by this rank: the ``Shard(0)`` chunk of the
-        expert weights on the ep mesh, in the order ``dispatch`` sends their rows."""
-        start = self.ep_rank * self.num_local_experts
-        return start, start + self.num_local_experts
 
     @torch.compiler.disable
     def dispatch(
@@ -165,12 +157,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
     sharding from their placements. Returns the MoE modules it changed.
     """
     group = ep_mesh.get_group()
-    ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
+    ep_size = ep_mesh.size()
     changed = []
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        dispatcher = AllToAllTokenDispatcher(module.num_experts, group, ep_rank, ep_size)
+        dispatcher = AllToAllTokenDispatcher(module.num_experts, group, ep_size)
         experts = module.experts
         for name in ("w1", "w2", "w3"):
             param = getattr(experts, name)

@@ -9,7 +9,7 @@ API (the only way other code gets process groups):
     dims.build_meshes("cuda")           # once per process, after init_process_group
     dims.mesh("fsdp")                   # a DeviceMesh by name (1-D unless noted)
     dims.has_mesh("ep")                 # whether that mesh is meaningful (degree > 1)
-    dims.dp_enabled, dims.fsdp_enabled, dims.ep_enabled, dims.cp_enabled, dims.tp_enabled, ...
+    dims.data_parallel_enabled, dims.fsdp_enabled, dims.ep_enabled, dims.cp_enabled, dims.tp_enabled, ...
     dims.dp_degree, dims.loss_degree, dims.efsdp, dims.context_degree
 
 Rank layout. The world is the row-major grid ``[pp, dp_replicate, dp_shard, cp, tp]`` (tp fastest,

@@ -111,7 +111,9 @@ def parallelize_model(
                 reshard_after_forward=parallelism.fsdp_reshard_after_forward,
                 root_runs_forward=specs is None,
             )
-    one_process_fsdp = dims.world_size == 1 and training.mixed_precision_param == "bfloat16"
+    one_process_fsdp = (
+        dims.world_size == 1 and training.mixed_precision_param == "bfloat16" and training.one_process_cast == "fsdp"
+    )
     if one_process_fsdp:
         # One process, bf16: FSDP2 on a one-rank mesh casts each weight to bf16 once per step
         # (kept from forward to backward), where autocast alone casts fp32 weights at every use.

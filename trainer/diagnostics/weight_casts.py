@@ -17,12 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.parallel.distributed import local_tensor
 
-_COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default}
+_COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
 
-def _storage(t) -> int | None:
-    if not isinstance(t, torch.Tensor):
-        return None
+def _storage(t: torch.Tensor) -> int:
     return local_tensor(t).untyped_storage().data_ptr()
 
 
@@ -39,15 +37,9 @@ class _WeightCasts(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in _COPIES:
-            if func is torch.ops.aten._to_copy.default:
-                pairs = [(args[0], out)]
-            elif func is torch.ops.aten.copy_.default:
-                pairs = [(args[1], args[0])]
-            else:  # _foreach_copy_(dsts, srcs)
-                pairs = list(zip(args[1], args[0]))
-            for src, dst in pairs:
-                if src.dtype != dst.dtype and _storage(src) in self.storages:
-                    self.bytes += dst.numel() * dst.element_size()
+            src, dst = (args[0], out) if func is torch.ops.aten._to_copy.default else (args[1], args[0])
+            if src.dtype != dst.dtype and _storage(src) in self.storages:
+                self.bytes += dst.numel() * dst.element_size()
         return out
 
 

@@ -1,5 +1,6 @@
 """benchmarks/moe_bench.py and its `--model-override` parser."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -7,12 +8,11 @@ from pathlib import Path
 import pytest
 
 from models.deepseek_v3 import get_flavor
+from trainer.diagnostics import model_overrides
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))  # the benchmarks import each other as scripts do
-
-import model_overrides  # noqa: E402
-import moe_bench  # noqa: E402
+_spec = importlib.util.spec_from_file_location("moe_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "moe_bench.py")
+moe_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(moe_bench)
 
 
 def test_overrides_reach_model_and_moe_fields():

@@ -57,7 +57,7 @@ def test_run_all_reads_each_output_kind(tmp_path):
 
 
 def test_model_overrides_reach_top_level_and_nested_fields():
-    from benchmarks.model_overrides import ModelOverrideError, apply_overrides
+    from trainer.diagnostics import ModelOverrideError, apply_overrides
     from models.deepseek_v3 import get_flavor
 
     base = get_flavor("16B")

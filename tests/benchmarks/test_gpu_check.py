@@ -30,12 +30,17 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = proc.stdout[proc.stdout.index("| measurement | figure | value |"):]
     for figure in ("tokens/s", "MFU %", "estimate / measured peak", "kernel launches per step",
-                   "host syncs per step", "time / dense ideal", "skipped", "weight casts MiB per step"):
+                   "host syncs per step", "time / dense ideal", "skipped", "weight casts MiB per step",
+                   "tokens/s ratio (keep FSDP2 on one process only if > 1.03)"):
         assert f"| {figure} |" in table, figure
     assert "n_layers=2" in table and "failed" not in table
     a = json.loads((tmp_path / "A.json").read_text())
     assert a["variants"]["eager"]["kernel_launches"] > 0
     assert (tmp_path / "traces" / "eager_step0.json").exists()
-    # bf16 on one process: FSDP2 casts each weight once per step (trainer/mixed_precision.py).
+    # bf16 on one process: FSDP2 casts each weight once per step (trainer/diagnostics/weight_casts.py).
     assert json.loads((tmp_path / "E.json").read_text())["variants"]["eager"]["weight_cast_bytes"] > 0
     assert "eager_float8" in json.loads((tmp_path / "D.json").read_text())["skipped"]
+    # F: the one-process cast policies side by side, each with its own tokens/s and peak memory.
+    f = json.loads((tmp_path / "F.json").read_text())["variants"]
+    assert list(f) == ["eager", "eager_autocast"] and all(r["peak_mem_mib"] > 0 for r in f.values())
+    assert "| F debugmodel bf16 1x32 eager_autocast | peak memory MiB |" in table

@@ -1,0 +1,24 @@
+"""Measuring tools and the local test launcher: used by tests/ and benchmarks/, never by a run.
+
+* step_counters.py   ``profile_step`` (top ops, kernel launches, host syncs of one call) and
+                     ``HostReadCounter`` (Python-level reads of device values)
+* weight_casts.py    ``weight_cast_bytes``: the bytes of low-precision weight copies of one step
+* model_overrides.py ``--model-override key=value`` of the benchmarks (a flavor's fields)
+* launch.py          ``spawn_local`` / ``init_local_gloo`` / ``free_port``: N local gloo ranks
+"""
+
+from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local
+from trainer.diagnostics.model_overrides import ModelOverrideError, apply_overrides
+from trainer.diagnostics.step_counters import HostReadCounter, profile_step
+from trainer.diagnostics.weight_casts import weight_cast_bytes
+
+__all__ = [
+    "HostReadCounter",
+    "ModelOverrideError",
+    "apply_overrides",
+    "free_port",
+    "init_local_gloo",
+    "profile_step",
+    "spawn_local",
+    "weight_cast_bytes",
+]

@@ -1,0 +1,93 @@
+"""Local gloo process groups for the distributed tests and the benchmarks: a free port, joining
+the group, and ``spawn_local``, which runs a function on N spawned ranks and collects what they
+queue (torchrun is for the trainer itself; these tests need a function per rank and its results).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import socket
+import time
+import traceback
+from typing import Any, Callable, NoReturn
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.parallel.distributed import exit_process
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now, for the rendezvous of a local process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_gloo(rank: int, world: int, port: int) -> None:
+    """Join the `world`-rank gloo default group of this machine that meets at `port`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn_local(target: Callable, world: int, *args, results: int | None = None, timeout: float = 600) -> list[Any]:
+    """Run `target(rank, world, port, *args, queue)` in `world` spawned processes (a fresh port
+    for `init_local_gloo`) and return the first `results` items (default: one per rank) they put
+    on `queue`. A rank that exits with an error fails the call at once instead of leaving the
+    others waiting on the queue until `timeout`."""
+    ctx = mp.get_context("spawn")
+    out_queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_run_rank, args=(target, rank, world, port, args, out_queue)) for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < (world if results is None else results):
+            try:
+                out.append(out_queue.get(timeout=1.0))
+            except queue_lib.Empty:
+                failed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if failed:
+                    raise RuntimeError(f"ranks exited with errors (rank: exit code): {failed}") from None
+                if all(p.exitcode is not None for p in procs):
+                    raise RuntimeError(f"all {world} ranks exited after putting {len(out)} results") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result from the {world} ranks within {timeout:.0f}s") from None
+    except BaseException:
+        # The other ranks would wait for the failed one in their next collective.
+        for p in procs:
+            p.terminate()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    if any(code != 0 for code in codes):
+        raise RuntimeError(f"ranks exited with {codes} (a rank still running 120 s after the results is terminated)")
+    return out
+
+
+def _run_rank(target: Callable, rank: int, world: int, port: int, args: tuple, out_queue) -> NoReturn:
+    """One `spawn_local` rank: runs `target`, sends what it queued, and ends through
+    `exit_process` (with the SystemExit code `target` raised, or 1 after the traceback of any
+    other exception)."""
+    code = 0
+    try:
+        target(rank, world, port, *args, out_queue)
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # The queue's feeder thread writes in the background: wait for it before os._exit.
+    out_queue.close()
+    out_queue.join_thread()
+    exit_process(code)
