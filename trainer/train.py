@@ -98,7 +98,7 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
             attn_backend=m.attn_backend,
             attn_mask_type=m.attn_mask_type,
             rope_type="default" if m.disable_yarn else args.rope_type,
-            mtp_depth=args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth,
+            mtp_depth=m.mtp_depth_for(args.mtp_depth),
             engram=engram,
         )
     except ValueError as e:
@@ -147,7 +147,7 @@ class Trainer:
         self.parallel_dims = ParallelDims.from_job(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         shape = model_args or resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
-        mtp_depth = shape.mtp_depth if model_args or cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
+        mtp_depth = shape.mtp_depth if model_args else cfg.model.mtp_depth_for(shape.mtp_depth)
         self.parallel_dims.check_stages(shape.n_layers, mtp_depth)
         self.device = select_device(t.device, local_rank_from_env())
         if cfg.model.attn_backend == "flex" and self.device.type != "cuda":

@@ -38,8 +38,7 @@ def check_model_fit(cfg, layout: Layout) -> None:
     except ValueError as e:
         raise ConfigError(f"model.flavor: {e}") from None
     layout.check_shapes(cfg.training.seq_len, n_heads=shape["n_heads"], num_experts=shape["moe"]["num_experts"])
-    mtp_depth = shape["mtp_depth"] if cfg.model.mtp_depth < 0 else cfg.model.mtp_depth
-    layout.check_stages(shape["n_layers"], mtp_depth)
+    layout.check_stages(shape["n_layers"], cfg.model.mtp_depth_for(shape["mtp_depth"]))
 
 
 def check_free_port(address: str) -> None:

@@ -184,8 +184,9 @@ class Layout:
         num_experts: int | None = None,
         vocab_size: int | None = None,
     ) -> None:
-        """Shapes the layout splits must divide evenly. The model's sizes come from its flavor,
-        which needs torch; the pre-launch check passes only `seq_len`, the trainer all of them."""
+        """Shapes the layout splits must divide evenly: `seq_len` always, the model's sizes where
+        given (the pre-launch check passes heads and experts from the flavor table, the trainer
+        also the tokenizer's vocabulary)."""
         problems = []
         context = self.context_degree
         if context > 1 and seq_len % (2 * context):

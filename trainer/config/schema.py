@@ -54,6 +54,10 @@ class Model(Section):
     moe_bias_update_speed: float = option(0.001, "Aux-loss-free balancing bias step gamma; 0 disables it")
     mtp_loss_weight: float = option(0.3, "Weight lambda of the multi-token-prediction loss")
 
+    def mtp_depth_for(self, flavor_depth: int) -> int:
+        """The run's MTP depth: `mtp_depth`, or the flavor's where it is -1."""
+        return flavor_depth if self.mtp_depth < 0 else self.mtp_depth
+
     def problems(self) -> list[str]:
         return failed_checks(
             (self.mtp_depth >= -1, f"model.mtp_depth must be >= 0, or -1 for the flavor's, got {self.mtp_depth}."),
