@@ -174,9 +174,8 @@ def _parse_cli(argv: list[str], config_cls: type[JobConfig]) -> list[tuple[str, 
 
 def _unknown_option(typed: str, name: str, sections: dict[str, type]) -> str:
     section, _, key = name.partition(".")
-    if name in REMOVED_OPTIONS:
-        hint = f" was removed ({REMOVED_OPTIONS[name]}); drop it."
-    else:
+    hint = _removed_hint(name)
+    if hint is None:
         nearest = _nearest_key(name, sections)
         hint = f"; did you mean --{nearest}?" if nearest else "."
     if section in sections:
@@ -209,10 +208,15 @@ REMOVED_OPTIONS = {
 }
 
 
+def _removed_hint(name: str) -> str | None:
+    reason = REMOVED_OPTIONS.get(name)
+    return None if reason is None else f" was removed ({reason}); drop it."
+
+
 def _key_hint(section: str, key: str, options: dict) -> str:
-    removed = REMOVED_OPTIONS.get(f"{section}.{key}")
+    removed = _removed_hint(f"{section}.{key}")
     if removed is not None:
-        return f" was removed ({removed}); drop it."
+        return removed
     foreign = FOREIGN_NAMES.get(key)
     if foreign is not None:
         return f"; did you mean {foreign}?"
