@@ -1,15 +1,16 @@
 """One run, any layout, through run_train.sh as a user runs it (gloo on CPU, fp32, deterministic).
 
 The same config with ``--training.global_batch_size 8`` gives the same per-step losses, gradient
-norms (over the warmup) and validation losses on 1 process and in every layout: the loader's global batch order
-(trainer/data/datasets.py), the layout-invariant init (trainer/parallel/weight_init.py) and the
-validation over the same held-out global batches. A 2-process FSDP checkpoint resumed in 1 process
-and in 4 (FSDP 4 + EP 2) continues the uninterrupted 2-process run's losses; so does a pipelined
-(pp 2) one resumed in 1 process and in pp 2 x FSDP 2, and a 1-process one resumed in pp 2.
+norms (over the warmup) and validation losses on 1 process and in every layout: the loader's
+global batch order (trainer/data/datasets.py), the layout-invariant init
+(trainer/parallel/weight_init.py) and the validation over the same held-out global batches. A
+checkpoint taken at step 5 resumes in another layout and continues the uninterrupted run's losses:
+FSDP 2 in 1 process and in FSDP 4 x EP 2; 1F1B pp 2 in 1 process, in pp 2 x FSDP 2 and in ZBV
+pp 2 (stages 0 and 3 on rank 0); 1 process in Interleaved1F1B pp 2 (four stages).
 
 Launches are the suite's cost (each process spends ~4 s importing torch), so runs are shared between
 tests through a module-scoped cache and one launch proves several things: the three 10-step
-checkpointed runs (STRAIGHT) check their layout's parity on all ten steps, and the two layouts a
+checkpointed runs (STRAIGHT) check their layout's parity on all ten steps, and the layouts a
 checkpoint is resumed into (RESUMED_INTO) check theirs on the resumed steps 6-10 and the step-10
 validation, against the 1-process run's, instead of a 5-step launch of their own.
 
@@ -45,7 +46,8 @@ RESUME = [
 ]
 STRAIGHT = ("single", "fsdp_2", "pp_2")
 # Layout -> the STRAIGHT layout whose step-5 checkpoint it resumes (test_checkpoint_resumes_in_another_layout).
-RESUMED_INTO = {"fsdp_4_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2"}
+RESUMED_INTO = {"fsdp_4_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2", "pp_2_zbv": "pp_2", "pp_2_interleaved": "single"}
+RESUMES = [("fsdp_2", "single"), ("pp_2", "single"), *((source, layout) for layout, source in RESUMED_INTO.items())]
 # name -> (processes, [parallelism] and local-batch flags)
 LAYOUTS = {
     # Local batch 2 of the global 8 over 2 ranks: two accumulated micro-batches per step.
@@ -179,10 +181,7 @@ def test_engram_pipeline_matches_one_process(runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "source, layout",
-    [("fsdp_2", "single"), ("fsdp_2", "fsdp_4_ep_2"), ("pp_2", "single"), ("pp_2", "pp_2_fsdp_2"), ("single", "pp_2")],
-)
+@pytest.mark.parametrize("source, layout", RESUMES)
 def test_checkpoint_resumes_in_another_layout(runs, source, layout):
     straight = runs(f"{source}_straight", *_with_args(_layout(source), RESUME))
     resumed = _resumed(runs, source, layout)
