@@ -3,9 +3,8 @@
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
 whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
 TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path that names
-no file or an empty one, with `--free-port` a
-single-node MASTER_PORT that is taken) fails in a second with one `config error: ...` line and
-exit code 2, instead of in every rank's traceback.
+no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
+second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
 Torch-free.
@@ -49,10 +48,10 @@ def check_model_fit(cfg, layout: Layout) -> None:
 def check_data_files(cfg) -> None:
     """Local dataset paths must name files that hold data (relative paths from the working
     directory, as the workers read them)."""
-    datasets = [("training", cfg.training.dataset, cfg.training.dataset_path)]
-    if cfg.validation.enable and cfg.validation.dataset in LOCAL_FORMATS:
-        datasets.append(("validation", cfg.validation.dataset, cfg.validation.dataset_path))
-    for section, dataset, path in datasets:
+    sources = [("training", cfg.training.dataset, cfg.training.dataset_path)]
+    if cfg.validation.enable:
+        sources.append(("validation", cfg.validation.dataset, cfg.validation.dataset_path))
+    for section, dataset, path in sources:
         if dataset in LOCAL_FORMATS:
             try:
                 resolve_local_files(dataset, path)
