@@ -1,7 +1,8 @@
 """Loss-parity worker: trains the debug model for a few steps under several parallel layouts in
 one process group and writes each layout's losses and gradient norms to a JSON file.
 
-    python -m tests.distributed.parity_worker --nproc 4 --layouts hsdp_2x2 --out out.json [--reference]
+    python -m tests.distributed.parity_worker --nproc 4 --layouts hsdp_2x2_ep_2 --tp-cp-layouts fsdp2_cp2 \
+        --out out.json [--reference]
 
 Every layout runs the real ``Trainer`` (meta build -> parallelize -> weights -> train_step), fp32,
 deterministic, from the same weights (the layout-invariant init, trainer/parallel/weight_init.py).
@@ -13,6 +14,8 @@ parity is tested through run_train.sh in tests/e2e/test_layout_parity.py). The s
 reference reads the same global batches whole, so all layouts see the same tokens per step.
 
 ``--reference`` also runs the single-process layout on rank 0 before the process group starts.
+``--tp-cp-layouts`` runs tests/distributed/tp_cp_parity.py's layouts (a q_lora model trained by
+hand) in the same process group afterwards, under "tp_cp/<layout>": one launch instead of one each.
 Adding a layout (TP, CP, ...): one entry in ``LAYOUTS`` with its ``[parallelism]`` overrides and
 its world size; the pytest side (test_parity.py) lists which layouts it launches.
 """
@@ -33,18 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 # world size, [parallelism] overrides (dp_shard inferred when absent)
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "single": (1, {}),
-    "fsdp_2": (2, {}),
     "fsdp_2_ep_2": (2, {"ep": 2}),
-    "hsdp_2x2": (4, {"dp_replicate": 2}),
     "fsdp_4_ep_2": (4, {"ep": 2}),
     "hsdp_2x2_ep_2": (4, {"dp_replicate": 2, "ep": 2}),
     "fsdp_2_ac_op": (2, {}),
     "fsdp_2_ep_2_ac_full": (2, {"ep": 2}),
-    "tp_2": (2, {"tp": 2}),
-    "cp_2": (2, {"cp": 2}),
-    "ep_2_as_cp": (2, {"ep": 2, "ep_as_cp": "true"}),
-    "fsdp_2_cp_2": (4, {"cp": 2}),
-    "fsdp_2_ep_2_tp_2": (4, {"tp": 2, "ep": 2}),
     "fsdp_2_ep_2_compile": (2, {"ep": 2}),
 }
 EXTRA = {
@@ -156,7 +152,9 @@ def check_init(layout: str, workdir: str) -> dict:
         trainer.metrics.close()
 
 
-def _worker(rank: int, nproc: int, port: int, layouts: list[str], out: str, reference: bool) -> None:
+def _worker(
+    rank: int, nproc: int, port: int, layouts: list[str], tp_cp_layouts: list[str], out: str, reference: bool
+) -> None:
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -174,6 +172,11 @@ def _worker(rank: int, nproc: int, port: int, layouts: list[str], out: str, refe
         for layout in ("fsdp_2_ep_2", "fsdp_4_ep_2"):  # efsdp 1 and 2
             if LAYOUTS[layout][0] == nproc and any("ep_2" in x for x in layouts):
                 results[f"init_{layout}"] = check_init(layout, workdir)
+    if tp_cp_layouts:
+        from tests.distributed import tp_cp_parity
+
+        for layout in tp_cp_layouts:
+            results[f"tp_cp/{layout}"] = tp_cp_parity.train_layout(layout)
     from trainer.parallel.distributed import destroy_distributed
 
     destroy_distributed()
@@ -186,13 +189,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, required=True)
     parser.add_argument("--layouts", default="")
+    parser.add_argument("--tp-cp-layouts", default="")
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
+    tp_cp_layouts = [x for x in args.tp_cp_layouts.split(",") if x]
     torch.multiprocessing.spawn(
-        _worker, args=(args.nproc, args.port, layouts, args.out, args.reference), nprocs=args.nproc
+        _worker, args=(args.nproc, args.port, layouts, tp_cp_layouts, args.out, args.reference), nprocs=args.nproc
     )
 
 

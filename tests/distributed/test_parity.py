@@ -1,8 +1,14 @@
-"""Loss parity of parallel layouts against one process (gloo on CPU, fp32, deterministic).
+"""Loss and gradient-norm parity of parallel layouts against one process (gloo on CPU, fp32).
 
 Each world size is one launch of ``parity_worker`` (process start-up dominates the cost here),
-running several layouts in one process group; see that module for how every layout gets the
-same global batches and the same initial weights.
+running several layouts in one process group:
+- through the real Trainer (see parity_worker for how every layout gets the same global batches
+  and the same initial weights): expert parallelism under FSDP and HSDP, activation checkpointing
+  and compiled EP blocks;
+- by hand on a finer model (tests/distributed/tp_cp_parity.py: q_lora, random documents,
+  clipping on): TP 2, EP-as-CP 2, FSDP 2 x CP 2 and FSDP 2 x EP 2 x TP 2.
+FSDP 2, HSDP 2x2 and EP-as-CP also run through run_train.sh (tests/e2e/test_layout_parity.py:
+losses, gradient norms and validation), as does CP alone under each pipeline stage (pp_2_cp_2).
 
 Bounds: losses agree to rel 1e-5 (observed ~1e-7: sharding only reorders fp32 sums). Gradient
 norms agree to rel 1e-5 between all layouts (the norm is summed in fp32 from per-shard pieces).
@@ -18,26 +24,26 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import tp_cp_parity
 from trainer.diagnostics import free_port
 from trainer.parallel.fsdp import EXPERTS_IN_BLOCK_UNIT
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_LAYOUTS = {
-    2: [
-        "fsdp_2", "fsdp_2_ep_2", "fsdp_2_ep_2_ac_full", "fsdp_2_ac_op", "tp_2", "cp_2", "ep_2_as_cp",
-        "fsdp_2_ep_2_compile",
-    ],
-    4: ["hsdp_2x2", "hsdp_2x2_ep_2", "fsdp_2_cp_2", "fsdp_2_ep_2_tp_2"],
+    2: ["fsdp_2_ep_2", "fsdp_2_ep_2_ac_full", "fsdp_2_ac_op", "fsdp_2_ep_2_compile"],
+    4: ["hsdp_2x2_ep_2"],
 }
+TP_CP_LAYOUTS = {world: [name for name, (n, _) in tp_cp_parity.LAYOUTS.items() if n == world] for world in WORLD_LAYOUTS}
 REL = 1e-5
-# Two launches of every layout take about two minutes of the 2-core budget: the full suite only.
+# Two launches, about a minute of the 2-core budget: the full suite only.
 pytestmark = pytest.mark.slow
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, reference: bool) -> dict:
     cmd = [
         sys.executable, "-m", "tests.distributed.parity_worker", "--nproc", str(nproc),
-        "--layouts", ",".join(layouts), "--out", str(out), "--port", str(free_port()),
+        "--layouts", ",".join(layouts), "--tp-cp-layouts", ",".join(TP_CP_LAYOUTS[nproc]),
+        "--out", str(out), "--port", str(free_port()),
     ]
     if reference:
         cmd.append("--reference")
@@ -69,6 +75,21 @@ def test_loss_and_grad_norm_match_single_process(results, layout):
     _assert_close(f"{layout} grad_norm", results[layout]["grad_norm"], ref["grad_norm"])
     # Training moved: the comparison is not between two constant sequences.
     assert ref["loss"][-1] < ref["loss"][0] - 0.1
+
+
+@pytest.fixture(scope="module")
+def tp_cp_reference() -> list[tuple[float, float]]:
+    return tp_cp_parity.run_reference()
+
+
+@pytest.mark.parametrize("layout", list(tp_cp_parity.LAYOUTS))
+def test_tp_cp_layout_matches_single_process(results, tp_cp_reference, layout):
+    ref = tp_cp_reference
+    got = results[f"tp_cp/{layout}"]
+    assert len(got) == len(ref) == tp_cp_parity.STEPS
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
+        assert loss == pytest.approx(ref_loss, rel=REL), f"{layout} step {step}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=REL), f"{layout} step {step}: grad norm {norm} vs {ref_norm}"
 
 
 def test_compiled_ep_blocks_break_only_at_the_dispatcher(results):

@@ -1,8 +1,9 @@
 """Loss / grad-norm parity of TP, CP and EP-as-CP layouts against one process (gloo, CPU, fp32).
 
 `run_reference()` trains a small DeepSeek-V3 (dense + MoE block, MTP, document-causal mask) for
-STEPS steps in this process; `run_layout(layout)` spawns the ranks of a parallel layout that
-train the same model on the same data. Both return per-step (loss, grad_norm).
+STEPS steps in this process; `train_layout(layout)`, on every rank of a gloo process group of the
+layout's world size (tests/distributed/parity_worker.py runs it beside the Trainer's layouts, in
+the same launch), trains the same model on the same data. Both return per-step (loss, grad_norm).
 
 Data: GLOBAL_BATCH sequences per step. Data ranks ("dp" mesh) split the sequences; context
 ranks (cp, or ep with ep_as_cp) split each sequence in head-tail chunks. The loss of each rank
@@ -17,7 +18,6 @@ import torch.distributed as dist
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs, moe_modules, update_expert_bias
-from trainer.diagnostics import init_local_gloo, spawn_local
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 
 STEPS = 5
@@ -111,7 +111,8 @@ def _reference_history() -> list[tuple[float, float]]:
     return history
 
 
-def _worker(rank: int, world: int, port: int, layout: str, queue) -> None:
+def train_layout(layout: str) -> list[tuple[float, float]]:
+    """Every rank of the default process group (of the layout's world size) trains the layout."""
     from torch.distributed.tensor import DTensor
 
     from trainer.parallel.context_parallel import apply_context_parallel
@@ -121,73 +122,56 @@ def _worker(rank: int, world: int, port: int, layout: str, queue) -> None:
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.tensor_parallel import apply_tensor_parallel, maybe_loss_parallel, replicate_partial_grads
 
-    torch.set_num_threads(1)
-    init_local_gloo(rank, world, port)
-    try:
-        dims = ParallelDims(dp_replicate=1, world_size=world, **LAYOUTS[layout][1])
-        dims.build_meshes("cpu")
-        model = build_model()
-        # House order: TP -> EP -> CP -> FSDP.
-        if dims.tp_enabled:
-            apply_tensor_parallel(model, dims.mesh("tp"))
-        if dims.ep_enabled:
-            apply_expert_parallel(model, dims.mesh("ep"))
-        cp = apply_context_parallel(model, dims.mesh("context")) if dims.context_enabled else None
-        if dims.data_parallel_enabled:
-            apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp") if dims.ep_enabled else None)
-        opt = _optimizer(model)
-        loss_group = dims.mesh("loss").get_group() if dims.has_mesh("loss") else None
-        dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)
+    world, kwargs = LAYOUTS[layout]
+    if dist.get_world_size() != world:
+        raise ValueError(f"layout {layout} needs {world} ranks, not {dist.get_world_size()}")
+    dims = ParallelDims(dp_replicate=1, world_size=world, **kwargs)
+    dims.build_meshes("cpu")
+    model = build_model()
+    # House order: TP -> EP -> CP -> FSDP.
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, dims.mesh("tp"))
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.mesh("ep"))
+    cp = apply_context_parallel(model, dims.mesh("context")) if dims.context_enabled else None
+    if dims.data_parallel_enabled:
+        apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp") if dims.ep_enabled else None)
+    opt = _optimizer(model)
+    loss_group = dims.mesh("loss").get_group() if dims.has_mesh("loss") else None
+    dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)
 
-        def reduce_counts(counts):
-            if loss_group is not None:
-                dist.all_reduce(counts, group=loss_group)
-            return counts
+    def reduce_counts(counts):
+        if loss_group is not None:
+            dist.all_reduce(counts, group=loss_group)
+        return counts
 
-        history = []
-        for step in range(STEPS):
-            tokens, labels = batch(step)
+    history = []
+    for step in range(STEPS):
+        tokens, labels = batch(step)
+        mtp_labels = [shifted(labels, 0)]
+        n_valid, n_valid_mtp = (labels != IGNORE_INDEX).sum(), (mtp_labels[0] != IGNORE_INDEX).sum()
+        per_dp = GLOBAL_BATCH // dp_size
+        rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+        tokens, labels = tokens[rows], labels[rows]
+        if cp is not None:
+            b = cp.shard_batch(tokens, labels)
+            out = model(b.tokens, labels=b.labels, positions=b.positions, attn_mask=b.attn_mask)
+            labels, mtp_labels = b.labels, b.mtp_labels
+        else:
+            out = model(tokens, labels=labels)
             mtp_labels = [shifted(labels, 0)]
-            n_valid, n_valid_mtp = (labels != IGNORE_INDEX).sum(), (mtp_labels[0] != IGNORE_INDEX).sum()
-            per_dp = GLOBAL_BATCH // dp_size
-            rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
-            tokens, labels = tokens[rows], labels[rows]
-            if cp is not None:
-                b = cp.shard_batch(tokens, labels)
-                out = model(b.tokens, labels=b.labels, positions=b.positions, attn_mask=b.attn_mask)
-                labels, mtp_labels = b.labels, b.mtp_labels
-            else:
-                out = model(tokens, labels=labels)
-                mtp_labels = [shifted(labels, 0)]
-            with maybe_loss_parallel(dims.tp_enabled):
-                loss, objective = _objective(out, labels, mtp_labels, n_valid, n_valid_mtp)
-                objective.backward()
-            if isinstance(loss, DTensor):
-                loss = loss.full_tensor()
-            replicate_partial_grads(model.parameters())
-            norm = clip_grad_norm_(list(model.parameters()), MAX_NORM)
-            update_expert_bias(moe_modules(model), reduce_counts)
-            opt.step()
-            opt.zero_grad()
-            loss = loss.detach().clone()
-            if loss_group is not None:
-                dist.all_reduce(loss, group=loss_group)
-            history.append((loss.item(), norm.item()))
-        if rank == 0:
-            queue.put(history)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_layout(layout: str) -> list[tuple[float, float]]:
-    world = LAYOUTS[layout][0]
-    (history,) = spawn_local(_worker, world, layout, results=1)
+        with maybe_loss_parallel(dims.tp_enabled):
+            loss, objective = _objective(out, labels, mtp_labels, n_valid, n_valid_mtp)
+            objective.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        replicate_partial_grads(model.parameters())
+        norm = clip_grad_norm_(list(model.parameters()), MAX_NORM)
+        update_expert_bias(moe_modules(model), reduce_counts)
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        if loss_group is not None:
+            dist.all_reduce(loss, group=loss_group)
+        history.append((loss.item(), norm.item()))
     return history
-
-
-if __name__ == "__main__":
-    import sys
-
-    print("reference", run_reference())
-    for name in sys.argv[1:] or LAYOUTS:
-        print(name, run_layout(name))

@@ -1,12 +1,13 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process and FSDP 2 run 10 steps with a checkpoint at step 5;
-FSDP 4 x EP 2 resumes FSDP 2's step-5 checkpoint, HSDP 2x2 and TP 2 resume the single process's,
-and each continues the single process's steps 6-10 (rel 1e-5). So every layout's Muon steps, with
-their optimizer state, and resuming Muon state into another layout are checked together.
-QK-clip clips at steps 5 and 10 (`qk_clip_every 5`, a threshold below the debug model's max
-logits): step 5's clip shapes every later loss, and FSDP 2 clips it itself. Step 10's clip
+settings). Launches are shared: one process and FSDP 2 run 6 steps with a checkpoint at step 3;
+FSDP 4 x EP 2 resumes FSDP 2's step-3 checkpoint, HSDP 2x2 and TP 2 resume the single process's,
+and each continues the single process's steps 4-6 (rel 1e-5). So every layout's Muon steps, with
+their optimizer state, and resuming Muon state into another layout are checked together. (Six
+steps, not more: Newton-Schulz on every matrix makes a CPU step ~0.5 s, and every launch pays it.)
+QK-clip clips at steps 3 and 6 (`qk_clip_every 3`, a threshold below the debug model's max
+logits): step 3's clip shapes every later step, and FSDP 2 clips it itself. Step 6's clip
 changes no logged loss, so TP 2 (where QK-clip is refused) runs without it and still compares.
 """
 
@@ -22,12 +23,13 @@ from trainer.diagnostics import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
-CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", "5", "--optimizer.qk_clip_threshold", "0.17"]
-CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
+STEPS, MID = 6, 3
+CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(MID), "--optimizer.qk_clip_threshold", "0.17"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(MID), "--checkpoint.keep_latest_k", "0"]
 TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
 # Constant LR after a 2-step warmup: the LR of a step does not depend on training.steps.
 SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
-TEN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", "10"]
+RUN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", str(STEPS)]
 
 
 def _resumed(tmp: Path, name: str, source: Path, nproc: int, args: list[str]) -> dict[int, dict]:
@@ -38,32 +40,32 @@ def _resumed(tmp: Path, name: str, source: Path, nproc: int, args: list[str]) ->
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """One process, 10 steps, checkpoints at steps 5 and 10: (metrics by step, run folder)."""
+    """One process, STEPS steps, checkpoints at MID and STEPS: (metrics by step, run folder)."""
     run_dir = tmp_path_factory.mktemp("muon") / "single"
-    return _run(run_dir, SINGLE[0], [*TEN, *CLIP, *SINGLE[1]]), run_dir
+    return _run(run_dir, SINGLE[0], [*RUN, *CLIP, *SINGLE[1]]), run_dir
 
 
 @pytest.fixture(scope="module")
 def runs(single):
     tmp = single[1].parent
-    out = {"single": single[0], "fsdp_2": _run(tmp / "fsdp_2", 2, [*TEN, *CLIP, *LAYOUTS["fsdp_2"][1]])}
+    out = {"single": single[0], "fsdp_2": _run(tmp / "fsdp_2", 2, [*RUN, *CLIP, *LAYOUTS["fsdp_2"][1]])}
     for name, source, clip in (("fsdp_4_ep_2", "fsdp_2", CLIP), ("hsdp_2x2", "single", CLIP), ("tp_2", "single", [])):
         nproc, flags = TP_2 if name == "tp_2" else LAYOUTS[name]
-        out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / "step-5", nproc, [*TEN, *clip, *flags])
+        out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *clip, *flags])
     out["root"] = tmp
     return out
 
 
 def test_layouts_and_resumes_match_one_process(runs):
     single = runs["single"]
-    assert single[10]["loss"] < single[1]["loss"]
-    assert single[5]["qk_clipped_heads"] > 0  # the clip at step 5 acted
-    for step in range(1, 11):
+    assert single[STEPS]["loss"] < single[1]["loss"]
+    assert single[MID]["qk_clipped_heads"] > 0  # the clip at step MID acted
+    for step in range(1, STEPS + 1):
         _assert_close(f"fsdp_2 step {step}", runs["fsdp_2"][step]["loss"], single[step]["loss"])
-    _assert_close("fsdp_2 step 5 max logit", runs["fsdp_2"][5]["max_logit"], single[5]["max_logit"])
+    _assert_close(f"fsdp_2 step {MID} max logit", runs["fsdp_2"][MID]["max_logit"], single[MID]["max_logit"])
     for name in ("fsdp_4_ep_2", "hsdp_2x2", "tp_2"):
-        assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(6, 11)), name
-        for step in range(6, 11):
+        assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(MID + 1, STEPS + 1)), name
+        for step in range(MID + 1, STEPS + 1):
             _assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])
         log = (runs["root"] / name / "train.log").read_text()
         assert "resumed from" in log and "starts afresh" not in log
@@ -71,10 +73,11 @@ def test_layouts_and_resumes_match_one_process(runs):
 
 def test_switching_optimizer_on_resume(single, tmp_path):
     """AdamW over a Muon checkpoint: one line, exit 2; with checkpoint.reset_optimizer it goes on at
-    the schedule's LR for step 11."""
+    the schedule's LR for the step after the checkpoint's."""
     run_dir = tmp_path / "switch"
-    shutil.copytree(single[1] / "checkpoint" / "step-10", run_dir / "checkpoint" / "step-10")
-    args = [*COMMON, *CKPT, *SCHEDULE, "--no-validation.enable", *SINGLE[1], "--training.steps", "11"]
+    last = single[1] / "checkpoint" / f"step-{STEPS}"
+    shutil.copytree(last, run_dir / "checkpoint" / last.name)
+    args = [*COMMON, *CKPT, *SCHEDULE, "--no-validation.enable", *SINGLE[1], "--training.steps", str(STEPS + 1)]
     cmd = ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args]
     env = {"NGPU": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
@@ -82,6 +85,6 @@ def test_switching_optimizer_on_resume(single, tmp_path):
     (line,) = [x for x in proc.stderr.splitlines() if "optimizer state" in x]
     assert "muon/float32" in line and "AdamW/float32" in line and "--checkpoint.reset_optimizer" in line
     resumed = _run(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])
-    assert sorted(s for s in resumed if "loss" in resumed[s]) == [11]  # weights and step from the checkpoint
-    assert resumed[11]["lr"] == pytest.approx(single[0][10]["lr"])  # warmup over: the schedule's peak LR
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == [STEPS + 1]  # weights and step from the checkpoint
+    assert resumed[STEPS + 1]["lr"] == pytest.approx(single[0][STEPS]["lr"])  # warmup over: the schedule's peak LR
     assert "starts afresh" in (run_dir / "train.log").read_text()
