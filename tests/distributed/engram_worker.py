@@ -72,84 +72,90 @@ class CountA2A:
         dist.all_to_all_single = self.original
 
 
-def run(rank: int, world: int, port: int, precompute: bool, queue) -> None:
-    from trainer.engram_optim import OffloadedAdam
-    from trainer.parallel.engram_parallel import apply_engram_parallel, shard_rows
-    from trainer.parallel.grad_norm import grad_norm
-
+def run(rank: int, world: int, port: int, modes: tuple[bool, ...], queue) -> None:
+    """`check_sharded` with precompute on and/or off (`modes`), in one process group; puts
+    {precompute: the all-to-all counts}."""
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
     try:
         group = dist.new_group(list(range(world)))  # a 1-D group of its own, like a mesh dim
-        hasher = build_hasher()
-
-        # Identical primes, multipliers and compression on every rank.
-        mine = torch.cat([hasher.primes.flatten(), hasher.multipliers.flatten(), hasher.compress])
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        assert all(torch.equal(g, mine) for g in gathered), "hash constants differ across ranks"
-
-        all_tokens = torch.cat([rank_tokens(r) for r in range(world)])
-        labels_all = torch.roll(all_tokens, -1, dims=1)
-        n_global = labels_all.numel()
-
-        # Reference: unsharded, all ranks' tokens in one batch.
-        ref = build_model()
-        out_ref = ref(all_tokens, engram_ids=hasher(all_tokens))
-        (cross_entropy_sum(out_ref.logits, labels_all) / n_global).backward()
-        ref_tables = [m.table.weight for m in engram_modules(ref)]
-        ref_sq = sum(float(p.grad.pow(2).sum()) for p in ref_tables)
-        torch.optim.Adam(ref_tables, lr=1e-2).step()
-
-        # Sharded: this rank's tokens only; tables split over the group.
-        model = build_model()
-        apply_engram_parallel(model, group, precompute=precompute)
-        tokens = rank_tokens(rank)
-        labels = torch.roll(tokens, -1, dims=1)
-        with CountA2A() as fwd:
-            out = model(tokens, engram_ids=hasher(tokens))
-        loss = cross_entropy_sum(out.logits, labels) / n_global
-        with CountA2A() as bwd:
-            loss.backward()
-
-        rows = slice(rank * B, (rank + 1) * B)
-        torch.testing.assert_close(out.logits, out_ref.logits[rows], rtol=1e-5, atol=1e-6)
-        tables = [m.table.weight for m in engram_modules(model)]
-        shard_ranges = []
-        for p, m in zip(tables, engram_modules(model)):
-            _, start, n = shard_rows(m.table.num_rows, world, rank)
-            assert (m.table.row_start, p.shape[0]) == (start, n)
-            shard_ranges.append((start, n))
-        for p, (start, n), m_ref in zip(tables, shard_ranges, engram_modules(ref)):
-            torch.testing.assert_close(p.grad, m_ref.table.weight.grad[start : start + n], rtol=1e-5, atol=1e-7)
-        sq = float(grad_norm(tables, row_sharded=tables, row_group=group)) ** 2
-        assert abs(sq - ref_sq) <= 1e-5 * ref_sq, (sq, ref_sq)
-
-        # One optimizer step on the shards equals the unsharded step, also with CPU-held state.
-        shard_copies = [p.detach().clone() for p in tables]
-        torch.optim.Adam(tables, lr=1e-2).step()
-        for p, (start, n), p_ref in zip(tables, shard_ranges, ref_tables):
-            torch.testing.assert_close(p, p_ref[start : start + n], rtol=1e-6, atol=1e-7)
-        offloaded = [torch.nn.Parameter(c) for c in shard_copies]
-        for q, p in zip(offloaded, tables):
-            q.grad = p.grad.clone()
-        OffloadedAdam(offloaded, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0).step()
-        for q, p in zip(offloaded, tables):
-            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
-
-        if precompute:  # once per world size
-            # The rows' all-to-all is left in flight when the lookup returns (the blocks before
-            # the first Engram layer can run meanwhile) and is waited on by the first read.
-            pending_rows = model.engram_lookup([m.table for m in engram_modules(model)], hasher(tokens))
-            assert pending_rows.pending, "the rows' all-to-all was waited on before any layer read them"
-            assert pending_rows[0].shape[:2] == tokens.shape and not pending_rows.pending
-            check_context_parallel(rank, world, group, hasher, all_tokens, labels_all)
-        queue.put((rank, {"forward_a2a": fwd.calls, "backward_a2a": bwd.calls}))
+        queue.put((rank, {precompute: check_sharded(rank, world, group, precompute) for precompute in modes}))
     except Exception as e:  # report to the parent instead of hanging it
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise
     finally:
         dist.destroy_process_group()
+
+
+def check_sharded(rank: int, world: int, group, precompute: bool) -> dict[str, int]:
+    from trainer.engram_optim import OffloadedAdam
+    from trainer.parallel.engram_parallel import apply_engram_parallel, shard_rows
+    from trainer.parallel.grad_norm import grad_norm
+
+    hasher = build_hasher()
+
+    # Identical primes, multipliers and compression on every rank.
+    mine = torch.cat([hasher.primes.flatten(), hasher.multipliers.flatten(), hasher.compress])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, mine) for g in gathered), "hash constants differ across ranks"
+
+    all_tokens = torch.cat([rank_tokens(r) for r in range(world)])
+    labels_all = torch.roll(all_tokens, -1, dims=1)
+    n_global = labels_all.numel()
+
+    # Reference: unsharded, all ranks' tokens in one batch.
+    ref = build_model()
+    out_ref = ref(all_tokens, engram_ids=hasher(all_tokens))
+    (cross_entropy_sum(out_ref.logits, labels_all) / n_global).backward()
+    ref_tables = [m.table.weight for m in engram_modules(ref)]
+    ref_sq = sum(float(p.grad.pow(2).sum()) for p in ref_tables)
+    torch.optim.Adam(ref_tables, lr=1e-2).step()
+
+    # Sharded: this rank's tokens only; tables split over the group.
+    model = build_model()
+    apply_engram_parallel(model, group, precompute=precompute)
+    tokens = rank_tokens(rank)
+    labels = torch.roll(tokens, -1, dims=1)
+    with CountA2A() as fwd:
+        out = model(tokens, engram_ids=hasher(tokens))
+    loss = cross_entropy_sum(out.logits, labels) / n_global
+    with CountA2A() as bwd:
+        loss.backward()
+
+    rows = slice(rank * B, (rank + 1) * B)
+    torch.testing.assert_close(out.logits, out_ref.logits[rows], rtol=1e-5, atol=1e-6)
+    tables = [m.table.weight for m in engram_modules(model)]
+    shard_ranges = []
+    for p, m in zip(tables, engram_modules(model)):
+        _, start, n = shard_rows(m.table.num_rows, world, rank)
+        assert (m.table.row_start, p.shape[0]) == (start, n)
+        shard_ranges.append((start, n))
+    for p, (start, n), m_ref in zip(tables, shard_ranges, engram_modules(ref)):
+        torch.testing.assert_close(p.grad, m_ref.table.weight.grad[start : start + n], rtol=1e-5, atol=1e-7)
+    sq = float(grad_norm(tables, row_sharded=tables, row_group=group)) ** 2
+    assert abs(sq - ref_sq) <= 1e-5 * ref_sq, (sq, ref_sq)
+
+    # One optimizer step on the shards equals the unsharded step, also with CPU-held state.
+    shard_copies = [p.detach().clone() for p in tables]
+    torch.optim.Adam(tables, lr=1e-2).step()
+    for p, (start, n), p_ref in zip(tables, shard_ranges, ref_tables):
+        torch.testing.assert_close(p, p_ref[start : start + n], rtol=1e-6, atol=1e-7)
+    offloaded = [torch.nn.Parameter(c) for c in shard_copies]
+    for q, p in zip(offloaded, tables):
+        q.grad = p.grad.clone()
+    OffloadedAdam(offloaded, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0).step()
+    for q, p in zip(offloaded, tables):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+
+    if precompute:  # once per world size
+        # The rows' all-to-all is left in flight when the lookup returns (the blocks before
+        # the first Engram layer can run meanwhile) and is waited on by the first read.
+        pending_rows = model.engram_lookup([m.table for m in engram_modules(model)], hasher(tokens))
+        assert pending_rows.pending, "the rows' all-to-all was waited on before any layer read them"
+        assert pending_rows[0].shape[:2] == tokens.shape and not pending_rows.pending
+        check_context_parallel(rank, world, group, hasher, all_tokens, labels_all)
+    return {"forward_a2a": fwd.calls, "backward_a2a": bwd.calls}
 
 
 def check_context_parallel(rank, world, group, hasher, tokens, labels) -> None:
@@ -238,8 +244,23 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
 
 
 def run_checkpoint(
-    rank: int, world: int, port: int, degree: int, mode: str, ckpt_dir: str, offload: bool, queue
+    rank: int, world: int, port: int, phases: list[tuple[int, str, bool]], ckpt_dir: str, queue
 ) -> None:
+    """`checkpoint_phase` for each (degree, mode, offload) of `phases`, one after the other in
+    one process group (a save and a resume at the same world size share a launch)."""
+    torch.set_num_threads(1)
+    init_local_gloo(rank, world, port)
+    try:
+        results = [checkpoint_phase(rank, world, degree, mode, ckpt_dir, offload) for degree, mode, offload in phases]
+        queue.put((rank, results))
+    except Exception as e:
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpoint_phase(rank: int, world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) -> dict:
     """Trainer path at embedding-parallel `degree` (FSDP2 over all `world` ranks, EP 2): model
     from `parallelize_model`, optimizer from `build_optimizer`, checkpoints by
     `CheckpointManager`, the step as `Trainer.train_step` does it. mode "save": 2 steps,
@@ -252,62 +273,55 @@ def run_checkpoint(
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.parallelize import parallelize_model
 
-    torch.set_num_threads(1)
-    init_local_gloo(rank, world, port)
-    try:
-        cfg = load_config([
-            "--engram.enable", "--engram.layer_ids", "0,1", "--engram.embedding_parallel_degree", str(degree),
-            f"--engram.offload_optimizer_state={offload}", "--parallelism.ep", "2",
-            "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--optimizer.implementation", "for-loop",
-            "--checkpoint.enable", "--training.mixed_precision_param", "float32",
-        ])
-        dims = ParallelDims.from_config(cfg.parallelism, world, cfg.engram)
-        reference = build_model()
-        with torch.device("meta"):
-            model = DeepSeekV3Model(reference.args)
-        hasher = build_hasher()
-        _, parallel = parallelize_model(
-            model, dims, cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.quantize, cfg.engram, "cpu",
-            hasher,
-        )
-        model.to_empty(device="cpu")
-        model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
-        load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights
-        optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
-        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=4)
-        checkpointer = CheckpointManager(
-            cfg.checkpoint, ckpt_dir, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-            dataloader=_NoData(), model_args=reference.args, device=torch.device("cpu"),
-        )
+    cfg = load_config([
+        "--engram.enable", "--engram.layer_ids", "0,1", "--engram.embedding_parallel_degree", str(degree),
+        f"--engram.offload_optimizer_state={offload}", "--parallelism.ep", "2",
+        "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--optimizer.implementation", "for-loop",
+        "--checkpoint.enable", "--training.mixed_precision_param", "float32",
+    ])
+    dims = ParallelDims.from_config(cfg.parallelism, world, cfg.engram)
+    reference = build_model()
+    with torch.device("meta"):
+        model = DeepSeekV3Model(reference.args)
+    hasher = build_hasher()
+    _, parallel = parallelize_model(
+        model, dims, cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.quantize, cfg.engram, "cpu",
+        hasher,
+    )
+    model.to_empty(device="cpu")
+    model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
+    load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=4)
+    checkpointer = CheckpointManager(
+        cfg.checkpoint, ckpt_dir, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        dataloader=_NoData(), model_args=reference.args, device=torch.device("cpu"),
+    )
 
-        def train_step(step: int) -> tuple[float, float]:
-            rows = global_batch(step).chunk(world)[rank]
-            labels = torch.roll(rows, -1, dims=1)
-            out = model(rows, engram_ids=hasher(rows))
-            loss = cross_entropy_sum(out.logits, labels) / (4 * S)
-            loss.backward()
-            norm = parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
-            optimizer_step(optimizer)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            return float(total), float(norm)
+    def train_step(step: int) -> tuple[float, float]:
+        rows = global_batch(step).chunk(world)[rank]
+        labels = torch.roll(rows, -1, dims=1)
+        out = model(rows, engram_ids=hasher(rows))
+        loss = cross_entropy_sum(out.logits, labels) / (4 * S)
+        loss.backward()
+        norm = parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
+        optimizer_step(optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return float(total), float(norm)
 
-        if mode == "save":
-            for step in (1, 2):
-                train_step(step)
-            checkpointer.save(2, {"step": 2})
-        else:
-            assert int(checkpointer.load()["step"]) == 2
-        losses, norms = zip(*[train_step(step) for step in (3, 4)])
-        rows = sum(m.table.weight.shape[0] for m in engram_modules(model))
-        queue.put((rank, {
-            "losses": losses, "grad_norms": norms, "table_rows": rows,
-            "num_rows": sum(m.table.num_rows for m in engram_modules(model)),
-        }))
-    except Exception as e:
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    if mode == "save":
+        for step in (1, 2):
+            train_step(step)
+        checkpointer.save(2, {"step": 2})
+    else:
+        assert int(checkpointer.load()["step"]) == 2
+    losses, norms = zip(*[train_step(step) for step in (3, 4)])
+    rows = sum(m.table.weight.shape[0] for m in engram_modules(model))
+    checkpointer.close()
+    return {
+        "losses": losses, "grad_norms": norms, "table_rows": rows,
+        "num_rows": sum(m.table.num_rows for m in engram_modules(model)),
+    }

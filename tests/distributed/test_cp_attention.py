@@ -25,54 +25,66 @@ def _build(q_lora_rank: int) -> MLA:
     return mla
 
 
-def _worker(rank: int, world: int, port: int, mask_type: str, q_lora_rank: int, queue) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _errors(mesh, mask_type: str, q_lora_rank: int) -> dict[str, float]:
     from trainer.parallel.context_parallel import ContextParallel, LatentAllGather
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, DIM, generator=g)
+    tokens = torch.randint(0, 8, (B, S), generator=g)  # EOS=3 appears: several documents
+    grad_out = torch.randn(B, S, DIM, generator=g)
+    freqs = precompute_freqs_cis(4, 64, 10000.0)
+
+    # Reference: the whole sequence on one device.
+    ref = _build(q_lora_rank)
+    x_ref = x.clone().requires_grad_()
+    out_ref = ref(x_ref, freqs[:S], build_attention_mask(tokens, mask_type, EOS, "sdpa"))
+    (out_ref * grad_out).sum().backward()
+
+    # Context parallel: this rank's head-tail chunks, global positions, latent all-gather.
+    cp = ContextParallel(mesh, mask_type, EOS, "sdpa")
+    batch = cp.shard_batch(tokens, tokens)
+    mla = _build(q_lora_rank)
+    mla.latent_exchange = LatentAllGather(mesh.get_group())
+    x_loc = x[:, batch.positions].clone().requires_grad_()
+    out = mla(x_loc, freqs[batch.positions], batch.attn_mask)
+    (out * grad_out[:, batch.positions]).sum().backward()
+
+    errors = {
+        "out": (out - out_ref[:, batch.positions]).abs().max().item(),
+        "dx": (x_loc.grad - x_ref.grad[:, batch.positions]).abs().max().item(),
+    }
+    for name, p in mla.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # weight gradients of the shards add up to the full one
+        errors[f"d{name}"] = (grad - dict(ref.named_parameters())[name].grad).abs().max().item()
+    return errors
+
+
+def _worker(rank: int, world: int, port: int, cases: list[tuple[str, int]], queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(B, S, DIM, generator=g)
-        tokens = torch.randint(0, 8, (B, S), generator=g)  # EOS=3 appears: several documents
-        grad_out = torch.randn(B, S, DIM, generator=g)
-        freqs = precompute_freqs_cis(4, 64, 10000.0)
-
-        # Reference: the whole sequence on one device.
-        ref = _build(q_lora_rank)
-        x_ref = x.clone().requires_grad_()
-        out_ref = ref(x_ref, freqs[:S], build_attention_mask(tokens, mask_type, EOS, "sdpa"))
-        (out_ref * grad_out).sum().backward()
-
-        # Context parallel: this rank's head-tail chunks, global positions, latent all-gather.
-        cp = ContextParallel(mesh, mask_type, EOS, "sdpa")
-        batch = cp.shard_batch(tokens, tokens)
-        mla = _build(q_lora_rank)
-        mla.latent_exchange = LatentAllGather(mesh.get_group())
-        x_loc = x[:, batch.positions].clone().requires_grad_()
-        out = mla(x_loc, freqs[batch.positions], batch.attn_mask)
-        (out * grad_out[:, batch.positions]).sum().backward()
-
-        errors = {
-            "out": (out - out_ref[:, batch.positions]).abs().max().item(),
-            "dx": (x_loc.grad - x_ref.grad[:, batch.positions]).abs().max().item(),
-        }
-        for name, p in mla.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad)  # weight gradients of the shards add up to the full one
-            errors[f"d{name}"] = (grad - dict(ref.named_parameters())[name].grad).abs().max().item()
-        queue.put((rank, errors))
+        queue.put((rank, {case: _errors(mesh, *case) for case in cases}))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mask_type,q_lora_rank", [("causal", 0), ("block_causal", 8)])
-def test_cp_latent_attention_matches_full(mask_type, q_lora_rank):
-    results = dict(spawn_local(_worker, WORLD, mask_type, q_lora_rank, timeout=300))
-    for rank, errors in results.items():
-        for name, err in errors.items():
+CASES = [("causal", 0), ("block_causal", 8)]
+
+
+@pytest.fixture(scope="module")
+def cp_errors() -> dict[int, dict]:
+    """Both cases in one launch of the two ranks (a launch costs more than the cases)."""
+    return dict(spawn_local(_worker, WORLD, CASES, timeout=300))
+
+
+@pytest.mark.parametrize("mask_type,q_lora_rank", CASES)
+def test_cp_latent_attention_matches_full(cp_errors, mask_type, q_lora_rank):
+    for rank, by_case in cp_errors.items():
+        for name, err in by_case[(mask_type, q_lora_rank)].items():
             assert err < 1e-5, f"rank {rank}: {name} differs by {err}"
 
 

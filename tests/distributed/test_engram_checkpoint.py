@@ -15,20 +15,24 @@ import engram_worker
 from trainer.diagnostics import spawn_local
 
 
-def _launch(world: int, degree: int, mode: str, ckpt_dir: str, offload: bool) -> dict:
-    results = dict(spawn_local(engram_worker.run_checkpoint, world, degree, mode, ckpt_dir, offload))
+def _launch(world: int, ckpt_dir: str, *phases: tuple[int, str, bool]) -> list[dict]:
+    """One launch of `world` ranks running `phases` ((degree, mode, offload) each) in turn; each
+    phase's results by rank."""
+    results = dict(spawn_local(engram_worker.run_checkpoint, world, list(phases), ckpt_dir))
     for rank, r in results.items():
-        assert isinstance(r, dict), f"rank {rank}: {r}"
-    return results
+        assert isinstance(r, list), f"rank {rank}: {r}"
+    return [{rank: r[i] for rank, r in results.items()} for i in range(len(phases))]
 
 
-@pytest.mark.slow  # three launches of 2-4 ranks with FSDP and EP
+@pytest.mark.slow  # two launches of 4 and 2 ranks with FSDP and EP
 def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
     ckpt = str(tmp_path / "run")
-    saved = _launch(4, 2, "save", ckpt, offload=True)
+    # The save and the resume at degree 4 share the 4 ranks: each phase builds its model,
+    # optimizer and checkpointer from scratch, and the resume gets its state from the files alone.
+    saved, resumed_4 = _launch(4, ckpt, (2, "save", True), (4, "load", False))
+    (resumed_1,) = _launch(2, ckpt, (1, "load", True))
     losses, norms = saved[0]["losses"], saved[0]["grad_norms"]
-    for world, degree, offload in ((4, 4, False), (2, 1, True)):
-        resumed = _launch(world, degree, "load", ckpt, offload=offload)
+    for world, degree, resumed in ((4, 4, resumed_4), (2, 1, resumed_1)):
         num_rows = resumed[0]["num_rows"]
         # Each rank holds ~1/degree of every table's rows, and `world / degree` ranks each shard.
         assert sum(r["table_rows"] for r in resumed.values()) == num_rows * world // degree

@@ -3,27 +3,18 @@ micro-batch: the all-to-all split sizes, the one documented sync of the EP dispa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from trainer.diagnostics import free_port
+import step_sync_worker
 
-REPO = Path(__file__).resolve().parents[2]
+from trainer.diagnostics import spawn_local
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("step_sync_ep") / "reads.json"
-    cmd = [sys.executable, "-m", "tests.distributed.step_sync_worker", "--out", str(out), "--port", str(free_port())]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    # Spawned from this process: a launcher process of its own would only add an import of torch.
+    workdir = tmp_path_factory.mktemp("step_sync_ep")
+    return sorted(spawn_local(step_sync_worker.run, 2, str(workdir)), key=lambda r: r["rank"])
 
 
 def test_ep_step_reads_the_device_once_per_moe_layer_beyond_three(ranks):

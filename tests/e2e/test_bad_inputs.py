@@ -1,10 +1,12 @@
 """User mistakes through run_train.sh, as a user makes them: each fails fast with exit code 2 and
 one `error:` line per failing process that names the key or the file, and no traceback.
 
-Mistakes in the launch environment (NGPU, LOG_RANK), the config file (encoding, layout, keys) and
-the dump folder are caught before any process starts (by run_train.sh and the pre-launch check);
-the others (data files that turn out empty or unreadable, a model the layout cannot split) by every
-worker, whose lines run_train.sh prints as `[rankN] ...` instead of the launcher's traceback.
+Mistakes in the launch environment (NGPU, LOG_RANK), the config file (encoding, layout, keys), the
+dump folder and local data files (missing or empty) are caught before any process starts (by
+run_train.sh and the pre-launch check); the others (data files that do not parse, a model the
+layout cannot split) by every worker, whose lines run_train.sh prints as `[rankN] ...` instead of
+the launcher's traceback. One worker-side mistake goes through run_train.sh at 1 and 2 processes;
+the others, whose lines take the same way, run in this process (`run_in_process`), as do the resumes.
 Resuming with another data shape, or past a damaged checkpoint folder, is no mistake but is logged."""
 
 import os
@@ -84,6 +86,7 @@ def launch_files(tmp_path):
     (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf[training]\nsteps = 1\n")
     (tmp_path / "latin1.toml").write_bytes('[job]\ndescription = "café"\n'.encode("latin-1"))
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,8 @@ def launch_files(tmp_path):
         ("two", {}, [], ["NGPU=two", "positive integer", "NGPU=2"]),
         (2, {"LOG_RANK": "5"}, [], ["LOG_RANK=5", "0..1 with NGPU=2", "LOG_RANK=0"]),
         (1, {"LOG_RANK": "0,x"}, [], ["LOG_RANK=0,x", "0..0 with NGPU=1"]),
+        (2, {}, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"],
+         ["training.dataset_path", "empty.jsonl is empty"]),
     ],
 )
 def test_launch_mistakes_fail_before_launch(tmp_path, ngpu, env, args, names):
@@ -110,55 +115,70 @@ def test_launch_mistakes_fail_before_launch(tmp_path, ngpu, env, args, names):
 
 def bad_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text("this is not json\n{{{\n")
-    (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "docs.jsonl").write_text('{"text": "a line of text"}\n' * 50)
     (tmp_path / "random.tiktoken").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
 
 
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_worker_side_mistakes_give_one_line_per_rank(tmp_path, ngpu):
+    # Every worker-side mistake reaches the user this way: trainer.train's main turns the
+    # OSError/ValueError into one line, run_train.sh prints it per rank.
+    bad_files(tmp_path)
+    proc, seconds = run_train(tmp_path, ngpu, "--training.dataset", "json", "--training.dataset_path", "bad.jsonl")
+    assert_refused(proc, seconds, ngpu, "bad.jsonl", "json", prelaunch=False)
+
+
 @pytest.mark.parametrize(
-    "ngpu, args, names",
+    "args, names",
     [
-        (1, ["--training.dataset", "json", "--training.dataset_path", "bad.jsonl"], ["bad.jsonl", "json"]),
-        (2, ["--training.dataset", "json", "--training.dataset_path", "bad.jsonl"], ["bad.jsonl", "json"]),
-        (1, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"], ["empty.jsonl is empty"]),
-        (2, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"], ["empty.jsonl is empty"]),
-        (1, ["--training.dataset", "parquet", "--training.dataset_path", "docs.jsonl"],
+        (["--training.dataset", "parquet", "--training.dataset_path", "docs.jsonl"],
          ["dataset_path docs.jsonl cannot be read as parquet", "--training.dataset json"]),
-        (2, ["--training.dataset", "parquet", "--training.dataset_path", "docs.jsonl"],
-         ["dataset_path docs.jsonl cannot be read as parquet", "--training.dataset json"]),
-        (1, ["--training.dataset", "someone/no-such-dataset"], ["'someone/no-such-dataset'", "Offline"]),
-        (1, ["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
-        (2, ["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
-        (1, ["--checkpoint.initial_load_path", "hf", "--checkpoint.initial_load_format", "hf"], ["model.safetensors"]),
+        (["--training.dataset", "someone/no-such-dataset"], ["'someone/no-such-dataset'", "Offline"]),
+        (["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
+        (["--checkpoint.initial_load_path", "hf", "--checkpoint.initial_load_format", "hf"], ["model.safetensors"]),
     ],
 )
-def test_worker_side_mistakes_give_one_line_per_rank(tmp_path, ngpu, args, names):
+def test_worker_side_mistakes_name_the_file(tmp_path, monkeypatch, capfd, args, names):
+    """Each reaches the user as the bad.jsonl launches above show; only the message differs."""
     bad_files(tmp_path)
-    proc, seconds = run_train(tmp_path, ngpu, *args)
-    assert_refused(proc, seconds, ngpu, *names, prelaunch=False)
+    proc, seconds = run_in_process(tmp_path, monkeypatch, capfd, *args)
+    assert_refused(proc, seconds, 1, *names, prelaunch=False)
+
+
+def run_in_process(tmp_path, monkeypatch, capfd, *args):
+    """`trainer.train.main` as an NGPU=1 run_train.sh execs it, from tmp_path: a launch would add
+    the ~4 s import of torch to prove nothing more."""
+    monkeypatch.chdir(tmp_path)  # relative paths, as from the user's working directory
+    start = time.perf_counter()
+    code = main(["--job.config_file", str(REPO / "train_configs/debug_model.toml"),
+                 "--job.dump_folder", str(tmp_path / "run"), *SMALL, *args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err), time.perf_counter() - start
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cuda_without_a_gpu(tmp_path):
-    proc, seconds = run_train(tmp_path, 1, "--training.device", "cuda")
+def test_cuda_without_a_gpu(tmp_path, monkeypatch, capfd):
+    proc, seconds = run_in_process(tmp_path, monkeypatch, capfd, "--training.device", "cuda")
     assert_refused(proc, seconds, 1, "training.device = 'cuda'", "--training.device cpu", prelaunch=False)
 
 
 def test_resume_notes_changed_shapes_and_warns_of_a_checkpoint_without_metadata(tmp_path):
     """Not mistakes to refuse, but worth a line: a resume that changes the sequence length or the
-    global batch (the docs ask to keep them), and a step-N folder that lost its .metadata."""
+    global batch (the docs ask to keep them), and a step-N folder that lost its .metadata.
+    Both runs in this process (the quickest way to a checkpoint and back: the lines come from the
+    Trainer's resume, whatever the number of processes; a resume in another layout through
+    run_train.sh: tests/e2e/test_layout_parity.py::test_checkpoint_resumes_in_another_layout)."""
     run = tmp_path / "run"
-    # One process saves steps 1 and 2 (in this process: the quickest way to a checkpoint).
-    saved = ["--config", str(REPO / "train_configs/debug_model.toml"), *SMALL, "--training.steps", "2",
-             "--job.dump_folder", str(run), "--checkpoint.enable", "--checkpoint.interval", "1"]
-    assert main(saved) == 0
+    common = ["--config", str(REPO / "train_configs/debug_model.toml"), *SMALL, "--job.dump_folder", str(run),
+              "--checkpoint.enable", "--checkpoint.interval", "1"]
+    assert main([*common, "--training.steps", "2"]) == 0  # saves steps 1 and 2
     (run / "checkpoint" / "step-2" / ".metadata").unlink()
-    # Two processes resume: the global batch doubles with the data-parallel degree, seq_len 32 -> 48.
-    proc, _ = run_train(tmp_path, 2, "--training.steps", "3", "--training.seq_len", "48", "--checkpoint.enable")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
-    assert f"skipping {run / 'checkpoint' / 'step-2'}: it has no .metadata" in out, out[-3000:]
-    assert f"resumed from {run / 'checkpoint' / 'step-1'} (step 1)" in out
-    assert "note: resumed with training.seq_len 32 -> 48, training.global_batch_size 2 -> 4" in out
+    # The resume doubles the global batch (local batch 2 -> 4) and takes seq_len 32 -> 48.
+    assert main([*common, "--training.steps", "3", "--training.seq_len", "48", "--training.local_batch_size", "4"]) == 0
+    log = (run / "train.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert f"skipping {run / 'checkpoint' / 'step-2'}: it has no .metadata" in log, log[-3000:]
+    assert f"resumed from {run / 'checkpoint' / 'step-1'} (step 1)" in log
+    assert "note: resumed with training.seq_len 32 -> 48, training.global_batch_size 2 -> 4" in log

@@ -1,5 +1,8 @@
-"""`CONFIG_FILE=train_configs/debug_engram.toml ./run_train.sh` trains on one CPU process, and on
-two (sharded or whole tables, offloaded optimizer state, a checkpoint) as on one."""
+"""train_configs/debug_engram.toml trains on one CPU process, and `CONFIG_FILE=train_configs/debug_engram.toml
+NGPU=2 ./run_train.sh` (sharded tables, offloaded optimizer state, a checkpoint) as on one.
+
+The one-process runs are in this process (`trainer.train.main`, what an NGPU=1 run_train.sh
+execs): a launch would add the ~4 s import of torch and prove nothing more."""
 
 import json
 import math
@@ -8,29 +11,37 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.engram import find_primes
 from trainer.config import load_config
 from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
-from trainer.train import build_model_args
+from trainer.train import build_model_args, main
 
 REPO = Path(__file__).resolve().parents[2]
+ENGRAM_CONFIG = REPO / "train_configs/debug_engram.toml"
+
+
+@pytest.fixture
+def one_thread():
+    """OMP_NUM_THREADS=1 of the launches for the runs in this process: the same intra-op split,
+    and no second thread waiting for a core that a busy machine gives to someone else."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
-def test_debug_engram_trains(tmp_path):
-    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "train_configs/debug_engram.toml", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "run"),
-         "--training.steps", "30", "--training.seq_len", "128", "--validation.freq", "30",
-         "--validation.steps", "4", "--metrics.log_freq", "10", "--no-job.print_config"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "engram: layers [1, 3]" in proc.stdout
-    metrics = latest_run_folder(tmp_path / "run") / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+def test_debug_engram_trains(tmp_path, capsys, one_thread):
+    assert main([
+        "--config", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "run"),
+        "--training.steps", "30", "--training.seq_len", "128", "--validation.freq", "30",
+        "--validation.steps", "4", "--metrics.log_freq", "10", "--no-job.print_config",
+    ]) == 0
+    assert "engram: layers [1, 3]" in capsys.readouterr().out
+    records = list(_records(tmp_path / "run").values())
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert val[30] <= 0.85 * val[0], val
     last = records[-1]
@@ -49,6 +60,14 @@ PARITY = [
 ]
 
 
+def _records(run: Path) -> dict[int, dict]:
+    records: dict[int, dict] = {}
+    for line in (latest_run_folder(run) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["step"], {}).update(record)
+    return records
+
+
 def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
     env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": "train_configs/debug_engram.toml",
            "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
@@ -57,35 +76,32 @@ def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
         cwd=run.parent, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records: dict[int, dict] = {}
-    for line in (latest_run_folder(run) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record["step"], {}).update(record)
-    return proc.stdout, records
+    return proc.stdout, _records(run)
 
 
 @pytest.mark.slow
-def test_two_processes_sharded_and_replicated_match_one_process(tmp_path):
+def test_two_processes_sharded_match_one_process(tmp_path, one_thread):
     """NGPU=2 with FSDP2, tables split over both ranks (embedding_parallel_degree 2, Adam state
-    on the CPU, a checkpoint saved) and whole on each (degree 1): 10 steps equal one process
-    that splits the global batch the same way (2 micro-batches of 2), loss and gradient norm
-    within 1e-5 (observed: bit for bit). One process taking the whole batch at once drifts
-    further: the Engram gate amplifies fp32 rounding (docs/engram.md, "Parity with one
-    process"). Resuming at other degrees: tests/distributed/test_engram_checkpoint.py."""
+    on the CPU, a checkpoint saved): 10 steps equal one process that splits the global batch the
+    same way (2 micro-batches of 2), loss and gradient norm within 1e-5. One process taking the
+    whole batch at once drifts further: the Engram gate amplifies fp32 rounding (docs/engram.md,
+    "Parity with one process"). Whole tables on each of 2 ranks (degree 1) give the losses and
+    gradient norms of sharded ones in tests/distributed/test_engram_checkpoint.py (which also
+    resumes at other degrees), and through run_train.sh in
+    tests/e2e/test_layout_parity.py::test_engram_pipeline_matches_one_process (engram_pp_2)."""
     sharded_out, sharded = _run(
         tmp_path / "sharded", 2, "--engram.embedding_parallel_degree", "2", "--engram.offload_optimizer_state",
         "--checkpoint.enable", "--checkpoint.interval", "10",
     )
     assert "engram 2" in sharded_out and "checkpoint step 10 saved" in sharded_out
-    _, replicated = _run(tmp_path / "replicated", 2, "--engram.embedding_parallel_degree", "1")
-    _, single = _run(tmp_path / "single", 1)
-    for name, got in (("sharded", sharded), ("replicated", replicated)):
-        for step in range(1, 11):
-            for key in ("loss", "grad_norm"):
-                want = single[step][key]
-                assert abs(got[step][key] - want) <= 1e-5 * abs(want), (name, step, key, got[step][key], want)
+    assert main(["--config", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "single"), *PARITY]) == 0
+    single = _records(tmp_path / "single")
+    for step in range(1, 11):
+        for key in ("loss", "grad_norm"):
+            want = single[step][key]
+            assert abs(sharded[step][key] - want) <= 1e-5 * abs(want), (step, key, sharded[step][key], want)
     assert sharded[10]["loss"] <= 0.95 * sharded[1]["loss"], sharded  # measured 9.64 -> 8.03
     # Rank 0 holds the first half (rounded up) of each table's rows.
-    engram = build_model_args(load_config(["--config", str(REPO / "train_configs/debug_engram.toml")]), 8192, 0).engram
+    engram = build_model_args(load_config(["--config", str(ENGRAM_CONFIG)]), 8192, 0).engram
     primes = find_primes(engram)
     assert sharded[10]["engram/table_rows_per_rank"] == sum(math.ceil(sum(primes[i]) / 2) for i in engram.layer_ids)

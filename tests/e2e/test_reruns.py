@@ -1,5 +1,5 @@
 """A newcomer's commands one after another in one working directory: the README's quickstart, its
-configuration examples, a command that fails once started and its corrected form. Each
+configuration examples, a command that fails (a data file that is not there) and its corrected form. Each
 succeeds without anything deleted, and each fresh run writes its own folder under the config's
 job.dump_folder (./outputs/debug_model), whose metrics file holds that run's steps alone.
 

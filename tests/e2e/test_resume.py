@@ -16,6 +16,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.unit.test_checkpoint import flip_bytes
@@ -84,9 +86,17 @@ def run_in_process(*args: str) -> Trainer:
     return trainer
 
 
-def test_exact_resume_after_sigkill_during_async_save(tmp_path):
-    straight = tmp_path / "straight"
-    reference = run_in_process("--job.dump_folder", str(straight))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Trainer:
+    """The uninterrupted run, checkpointed at STEPS / 2 and STEPS: the reference of the SIGKILL
+    resume and the source of the damaged-checkpoint test's folder (one run for both; a sync save
+    changes no loss)."""
+    run_dir = tmp_path_factory.mktemp("resume") / "straight"
+    return run_in_process("--job.dump_folder", str(run_dir), "--checkpoint.enable", "--checkpoint.interval",
+                          str(STEPS // 2), "--checkpoint.keep_latest_k", "0")
+
+
+def test_exact_resume_after_sigkill_during_async_save(tmp_path, reference):
     ref_losses = losses(reference.run_dir)
     assert math.isnan(ref_losses[2]), "step 2 carries the injected NaN"
     assert all(math.isfinite(ref_losses[s]) for s in ref_losses if s != 2)
@@ -151,12 +161,12 @@ def test_repeated_nan_stops_without_checkpoint(tmp_path):
     assert "1 consecutive steps with a non-finite loss" in (run_dir / "train.log").read_text()
 
 
-def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path):
+def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path, reference):
     run_dir = tmp_path / "run"
     folder = run_dir / "checkpoint"
     ckpt = ["--job.dump_folder", str(run_dir), "--checkpoint.enable", "--checkpoint.interval", str(STEPS // 2),
             "--checkpoint.keep_latest_k", "0"]
-    assert main([*BASE, *ckpt]) == 0
+    shutil.copytree(reference.run_dir, run_dir)  # its checkpoints at STEPS / 2 and STEPS
     straight = losses(run_dir)
     assert sorted(straight) == list(range(1, STEPS + 1))
     shard = next((folder / f"step-{STEPS}").glob("*.distcp"))
@@ -165,7 +175,7 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path)
     assert shard.stat().st_size == size
 
     records_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    assert main([*BASE, *ckpt]) == 0
+    assert main([*COMMON, *ckpt]) == 0
     log = (run_dir / "train.log").read_text()
     assert (f"checkpoint step-{STEPS} is corrupt or partial ({shard} differs from the SHA-256 recorded "
             f"when it was saved (damaged)); falling back to step-{STEPS // 2}") in log
@@ -177,7 +187,7 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path)
 
     newest = folder / f"step-{STEPS}"
     marker = (newest / COMPLETE).read_text()
-    trainer = Trainer(load_config([*BASE, *ckpt, "--training.steps", str(STEPS + 2), "--checkpoint.interval", "1",
+    trainer = Trainer(load_config([*COMMON, *ckpt, "--training.steps", str(STEPS + 2), "--checkpoint.interval", "1",
                                    "--checkpoint.keep_latest_k", "1"]))
     assert trainer.step == STEPS
 

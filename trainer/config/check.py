@@ -2,10 +2,11 @@
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
 whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
-TP/CP splits do not divide, a dump folder that cannot be created, with `--free-port` a
-single-node MASTER_PORT that is taken) fails in a second with one `config error: ...` line and
-exit code 2, instead of in every rank's traceback.
-The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`).
+TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path that names
+no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
+second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
+The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
+the data loader).
 Torch-free.
 """
 
@@ -16,6 +17,8 @@ import socket
 import sys
 
 from models.flavors.deepseek_v3 import flavor_fields
+from trainer.config.combinations import LOCAL_FORMATS
+from trainer.config.data_files import resolve_local_files
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
@@ -28,6 +31,7 @@ def check_job(argv: list[str], world_size: int) -> None:
     cfg = load_config(argv)
     check_model_fit(cfg, Layout.from_job(cfg, world_size))
     check_dump_folder(cfg.job.dump_folder)
+    check_data_files(cfg)
 
 
 def check_model_fit(cfg, layout: Layout) -> None:
@@ -39,6 +43,20 @@ def check_model_fit(cfg, layout: Layout) -> None:
         raise ConfigError(f"model.flavor: {e}") from None
     layout.check_shapes(cfg.training.seq_len, n_heads=shape["n_heads"], num_experts=shape["moe"]["num_experts"])
     layout.check_stages(shape["n_layers"], cfg.model.mtp_depth_for(shape["mtp_depth"]))
+
+
+def check_data_files(cfg) -> None:
+    """Local dataset paths must name files that hold data (relative paths from the working
+    directory, as the workers read them)."""
+    sources = [("training", cfg.training.dataset, cfg.training.dataset_path)]
+    if cfg.validation.enable:
+        sources.append(("validation", cfg.validation.dataset, cfg.validation.dataset_path))
+    for section, dataset, path in sources:
+        if dataset in LOCAL_FORMATS:
+            try:
+                resolve_local_files(dataset, path)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{section}.dataset_path: {e}") from None
 
 
 def check_free_port(address: str) -> None:

@@ -39,7 +39,6 @@ in any layout (another DP degree, local batch or accumulation split).
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,16 +51,13 @@ import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 
 from trainer.config.combinations import LOCAL_FORMATS
+from trainer.config.data_files import local_format, resolve_local_files
 from trainer.data.shared_tokenize import SharedTokenizer
 from trainer.data.tokenizer import Tokenizer
 
 VALIDATION_EVERY = 20
 TEXT_COLUMN = "text"
 BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus" / "shakespeare.jsonl.gz"
-
-# Extension -> HF builder for local files; a compression suffix after it is handled by HF.
-EXTENSION_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
-COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 
 # Documents tokenised together (tiktoken encodes a batch in parallel threads; with a token group
 # the chunk is what the ranks split between them).
@@ -421,11 +417,7 @@ def _load_documents(
         data = datasets.load_dataset("json", data_files=str(BUNDLED_CORPUS), split="train", streaming=bool(streaming))
         return data, split, "shakespeare"
     if dataset in LOCAL_FORMATS:
-        builder, files = _resolve_local_files(dataset, dataset_path)
-        empty = [f for f in files if Path(f).stat().st_size == 0]
-        if empty:
-            raise ValueError(f"dataset file {empty[0]} is empty: no documents to train on; fill it or point dataset_path "
-                             "at files that hold data")
+        builder, files = resolve_local_files(dataset, dataset_path)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
             data = datasets.load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kwargs)
@@ -464,7 +456,7 @@ def _unreadable_local(dataset_path: str, files: list[str], builder: str, error: 
     cause = (error.__cause__ or error) if isinstance(error, datasets.exceptions.DatasetGenerationError) else error
     # HF's json builder meets a file without a single record as a bare StopIteration.
     why = "it holds no records" if isinstance(cause, StopIteration) else f"{type(cause).__name__}: {cause}"
-    named = {_local_format(Path(f)) for f in files}
+    named = {local_format(Path(f)) for f in files}
     if len(named) == 1 and None not in named and named != {builder}:
         (name_says,) = named
         fix = f"its name says {name_says}: pass --training.dataset {name_says} (or auto)"
@@ -473,38 +465,3 @@ def _unreadable_local(dataset_path: str, files: list[str], builder: str, error: 
     return f"dataset_path {dataset_path} cannot be read as {builder} ({why}); {fix}"
 
 
-def _local_format(path: Path) -> str | None:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes.pop()
-    return EXTENSION_BUILDERS.get(suffixes[-1]) if suffixes else None
-
-
-def _resolve_local_files(fmt: str, dataset_path: str | None) -> tuple[str, list[str]]:
-    """Expand ``dataset_path`` (file, glob or directory) to files and pick the HF builder."""
-    if not dataset_path:
-        raise ValueError(f"dataset={fmt!r} needs dataset_path (a file, a glob or a directory)")
-    path = Path(dataset_path).expanduser()
-    if glob.has_magic(dataset_path):
-        files = [Path(f) for f in sorted(glob.glob(str(path), recursive=True)) if Path(f).is_file()]
-        if not files:
-            raise FileNotFoundError(f"no files match dataset_path {dataset_path!r}")
-    elif path.is_dir():
-        wanted = set(EXTENSION_BUILDERS.values()) if fmt == "auto" else {fmt}
-        files = sorted(f for f in path.rglob("*") if f.is_file() and _local_format(f) in wanted)
-        if not files:
-            kinds = "/".join(ext for ext, b in EXTENSION_BUILDERS.items() if fmt in ("auto", b))
-            raise FileNotFoundError(f"dataset_path directory {path} has no {kinds} files")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"dataset_path does not exist: {path}")
-    if fmt != "auto":
-        return fmt, [str(f) for f in files]
-    formats = {_local_format(f) for f in files}
-    if len(formats) != 1 or None in formats:
-        raise ValueError(
-            f"cannot auto-detect the format of {dataset_path!r} (found {sorted(map(str, formats))}); "
-            f"use files ending in {sorted(EXTENSION_BUILDERS)} (optionally compressed) or pass dataset='json'/'text'/'parquet'"
-        )
-    return formats.pop(), [str(f) for f in files]
