@@ -126,25 +126,28 @@ def _layout(name: str) -> tuple[int, list[str]]:
     return SINGLE if name == "single" else LAYOUTS[name]
 
 
+def _straight(runs, name: str) -> dict[int, dict]:
+    """`name`'s 10-step run, checkpointed at step 5 and 10."""
+    nproc, flags = _layout(name)
+    return runs(f"{name}_straight", nproc, [*RESUME, *flags])
+
+
 def _resumed(runs, source: str, layout: str) -> dict[int, dict]:
     """`layout` resuming `source`'s 10-step run from its step-5 checkpoint, to step 10."""
-    runs(f"{source}_straight", *_with_args(_layout(source), RESUME))
+    _straight(runs, source)
     step5 = runs.root / f"{source}_straight" / "checkpoint" / "step-5"
-    return runs(f"{source}_resumed_{layout}", *_with_args(_layout(layout), RESUME), start_from=step5)
-
-
-def _with_args(layout: tuple[int, list[str]], args: list[str]) -> tuple[int, list[str]]:
-    nproc, flags = layout
-    return nproc, [*args, *flags]
+    nproc, flags = _layout(layout)
+    return runs(f"{source}_resumed_{layout}", nproc, [*RESUME, *flags], start_from=step5)
 
 
 def _parity_run(runs, name: str) -> tuple[dict[int, dict], range, tuple[int, ...]]:
     """The layout's records, the trained steps they cover and the validated steps to compare."""
     if name in STRAIGHT:
-        return runs(f"{name}_straight", *_with_args(_layout(name), RESUME)), range(1, 11), (0, 5, 10)
+        return _straight(runs, name), range(1, 11), (0, 5, 10)
     if name in RESUMED_INTO:
         return _resumed(runs, RESUMED_INTO[name], name), range(6, 11), (10,)
-    return runs(name, *_with_args(_layout(name), PARITY)), range(1, 6), (0, 5)
+    nproc, flags = _layout(name)
+    return runs(name, nproc, [*PARITY, *flags]), range(1, 6), (0, 5)
 
 
 def _assert_parity(layout: str, got: dict, steps: range, validated: tuple[int, ...], single: dict) -> None:
@@ -183,7 +186,7 @@ def test_engram_pipeline_matches_one_process(runs, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("source, layout", RESUMES)
 def test_checkpoint_resumes_in_another_layout(runs, source, layout):
-    straight = runs(f"{source}_straight", *_with_args(_layout(source), RESUME))
+    straight = _straight(runs, source)
     resumed = _resumed(runs, source, layout)
     assert sorted(s for s in resumed if "loss" in resumed[s]) == list(range(6, 11))
     for step in range(6, 11):
@@ -196,7 +199,7 @@ def test_checkpoint_resumes_in_another_layout(runs, source, layout):
 def test_pp_2_checkpoint_exports_to_hf(runs, tmp_path):
     """A pipelined run's checkpoint holds the whole model under its global names: the HF export
     of it has every weight, the first stage's embedding and the last stage's head and MTP block."""
-    runs("pp_2_straight", *_with_args(LAYOUTS["pp_2"], RESUME))
+    _straight(runs, "pp_2")
     step10 = runs.root / "pp_2_straight" / "checkpoint" / "step-10"
     proc = subprocess.run(
         ["python", str(REPO / "scripts" / "convert_hf.py"), "export", str(step10), str(tmp_path / "hf")],
