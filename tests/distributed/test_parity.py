@@ -7,8 +7,9 @@ running several layouts in one process group:
   and compiled EP blocks;
 - by hand on a finer model (tests/distributed/tp_cp_parity.py: q_lora, random documents,
   clipping on): TP 2, EP-as-CP 2, FSDP 2 x CP 2 and FSDP 2 x EP 2 x TP 2.
-FSDP 2, HSDP 2x2 and EP-as-CP also run through run_train.sh (tests/e2e/test_layout_parity.py:
-losses, gradient norms and validation), as does CP alone under each pipeline stage (pp_2_cp_2).
+FSDP 2 and HSDP 2x2 x EP 2 also run through run_train.sh (tests/e2e/test_layout_parity.py:
+losses, gradient norms and validation), as do CP and EP-as-CP under each pipeline stage (pp_2_cp_2,
+pp_2_ep_2_as_cp) and EP-as-CP across two nodes (tests/e2e/test_multinode.py).
 
 Bounds: losses agree to rel 1e-5 (observed ~1e-7: sharding only reorders fp32 sums). Gradient
 norms agree to rel 1e-5 between all layouts (the norm is summed in fp32 from per-shard pieces).

@@ -5,19 +5,23 @@ norms (over the warmup) and validation losses on 1 process and in every layout: 
 global batch order (trainer/data/datasets.py), the layout-invariant init
 (trainer/parallel/weight_init.py) and the validation over the same held-out global batches. A
 checkpoint taken at step 5 resumes in another layout and continues the uninterrupted run's losses:
-FSDP 2 in 1 process and in FSDP 4 x EP 2; 1F1B pp 2 in 1 process, in pp 2 x FSDP 2 and in ZBV
+FSDP 2 in 1 process and in HSDP 2x2 x EP 2; 1F1B pp 2 in 1 process, in pp 2 x FSDP 2 and in ZBV
 pp 2 (stages 0 and 3 on rank 0); 1 process in Interleaved1F1B pp 2 (four stages).
 
 Launches are the suite's cost (each process spends ~4 s importing torch), so runs are shared between
 tests through a module-scoped cache and one launch proves several things: the three 10-step
 checkpointed runs (STRAIGHT) check their layout's parity on all ten steps, and the layouts a
 checkpoint is resumed into (RESUMED_INTO) check theirs on the resumed steps 6-10 and the step-10
-validation, against the 1-process run's, instead of a 5-step launch of their own.
+validation, against the 1-process run's, instead of a 5-step launch of their own. The 1-process
+runs go through `trainer.train.main` in this process (see `_run`). Layouts other run_train.sh
+tests train: FSDP 4 x EP 2 and HSDP 2x2 (tests/e2e/test_muon_train.py), EP-as-CP across two
+nodes with TP (tests/e2e/test_multinode.py) and under each pipeline stage here (pp_2_ep_2_as_cp).
 
 Bound: rel 1e-5 (sharding only reorders fp32 sums; observed ~1e-7). The debug model at seq_len 32
 keeps each run to seconds.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,11 +29,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
+from trainer.train import main
 
 REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "train_configs" / "debug_model.toml"  # run_train.sh's CONFIG_FILE default
 REL = 1e-5
 COMMON = [
     "--training.seq_len", "32", "--training.global_batch_size", "8",
@@ -46,15 +53,17 @@ RESUME = [
 ]
 STRAIGHT = ("single", "fsdp_2", "pp_2")
 # Layout -> the STRAIGHT layout whose step-5 checkpoint it resumes (test_checkpoint_resumes_in_another_layout).
-RESUMED_INTO = {"fsdp_4_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2", "pp_2_zbv": "pp_2", "pp_2_interleaved": "single"}
+RESUMED_INTO = {"hsdp_2x2_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2", "pp_2_zbv": "pp_2", "pp_2_interleaved": "single"}
 RESUMES = [("fsdp_2", "single"), ("pp_2", "single"), *((source, layout) for layout, source in RESUMED_INTO.items())]
 # name -> (processes, [parallelism] and local-batch flags)
 LAYOUTS = {
     # Local batch 2 of the global 8 over 2 ranks: two accumulated micro-batches per step.
     "fsdp_2": (2, ["--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
-    "fsdp_4_ep_2": (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--training.local_batch_size", "2"]),
-    "ep_2_as_cp": (2, ["--parallelism.ep", "2", "--parallelism.ep_as_cp", "--training.local_batch_size", "8"]),
-    "hsdp_2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
+    "hsdp_2x2_ep_2": (
+        4,
+        ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+         "--training.local_batch_size", "2"],
+    ),
     # Pipeline parallelism (issue 20), MTP on (the debug model's depth 1).
     "pp_2": (2, ["--parallelism.pp", "2", "--training.local_batch_size", "8"]),
     "pp_2_interleaved": (
@@ -86,13 +95,27 @@ ENGRAM_LAYOUTS = {
 
 
 def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
-    """run_train.sh with NGPU processes; returns metrics.jsonl records by step."""
-    env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
-        cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """run_train.sh with NGPU processes; returns metrics.jsonl records by step.
+
+    One process runs in this one, as `trainer.train.main` with run_train.sh's default config (what
+    an NGPU=1 run_train.sh execs) and the launches' one intra-op thread: a launch would add the
+    ~4 s import of torch and prove nothing more.
+    """
+    if nproc == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with contextlib.chdir(run_dir.parent):
+                assert main(["--job.config_file", str(DEFAULT_CONFIG), "--job.dump_folder", str(run_dir), *args]) == 0
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
+            cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records: dict[int, dict] = {}
     for line in (latest_run_folder(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)

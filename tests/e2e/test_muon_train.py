@@ -1,31 +1,33 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process and FSDP 2 run 6 steps with a checkpoint at step 3;
-FSDP 4 x EP 2 resumes FSDP 2's step-3 checkpoint, HSDP 2x2 and TP 2 resume the single process's,
-and each continues the single process's steps 4-6 (rel 1e-5). So every layout's Muon steps, with
-their optimizer state, and resuming Muon state into another layout are checked together. (Six
+settings). Launches are shared: one process (in this one, see test_layout_parity's `_run`) and
+FSDP 4 x EP 2 run 6 steps with a checkpoint at step 3; HSDP 2x2 resumes FSDP 4 x EP 2's step-3
+checkpoint, TP 2 the single process's, and each continues the single process's steps 4-6 (rel
+1e-5). So every layout's Muon steps, with their optimizer state, and resuming Muon state into
+another layout (sharded to sharded, and whole to tensor-parallel) are checked together. (Six
 steps, not more: Newton-Schulz on every matrix makes a CPU step ~0.5 s, and every launch pays it.)
 QK-clip clips at steps 3 and 6 (`qk_clip_every 3`, a threshold below the debug model's max
-logits): step 3's clip shapes every later step, and FSDP 2 clips it itself. Step 6's clip
+logits): step 3's clip shapes every later step, and FSDP 4 x EP 2 clips it itself. Step 6's clip
 changes no logged loss, so TP 2 (where QK-clip is refused) runs without it and still compares.
 """
 
-import os
+import contextlib
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from test_layout_parity import COMMON, LAYOUTS, SINGLE, _assert_close, _run
+from test_layout_parity import COMMON, DEFAULT_CONFIG, SINGLE, _assert_close, _run
 
-from trainer.diagnostics import free_port
+from trainer.train import main
 
-REPO = Path(__file__).resolve().parents[2]
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 STEPS, MID = 6, 3
 CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(MID), "--optimizer.qk_clip_threshold", "0.17"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(MID), "--checkpoint.keep_latest_k", "0"]
+# (processes, [parallelism] and local-batch flags) for the global batch 8
+FSDP_4_EP_2 = (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--training.local_batch_size", "2"])
+HSDP_2X2 = (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"])
 TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
 # Constant LR after a 2-step warmup: the LR of a step does not depend on training.steps.
 SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
@@ -48,9 +50,9 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(single):
     tmp = single[1].parent
-    out = {"single": single[0], "fsdp_2": _run(tmp / "fsdp_2", 2, [*RUN, *CLIP, *LAYOUTS["fsdp_2"][1]])}
-    for name, source, clip in (("fsdp_4_ep_2", "fsdp_2", CLIP), ("hsdp_2x2", "single", CLIP), ("tp_2", "single", [])):
-        nproc, flags = TP_2 if name == "tp_2" else LAYOUTS[name]
+    nproc, flags = FSDP_4_EP_2
+    out = {"single": single[0], "fsdp_4_ep_2": _run(tmp / "fsdp_4_ep_2", nproc, [*RUN, *CLIP, *flags])}
+    for name, source, clip, (nproc, flags) in (("hsdp_2x2", "fsdp_4_ep_2", CLIP, HSDP_2X2), ("tp_2", "single", [], TP_2)):
         out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *clip, *flags])
     out["root"] = tmp
     return out
@@ -61,9 +63,9 @@ def test_layouts_and_resumes_match_one_process(runs):
     assert single[STEPS]["loss"] < single[1]["loss"]
     assert single[MID]["qk_clipped_heads"] > 0  # the clip at step MID acted
     for step in range(1, STEPS + 1):
-        _assert_close(f"fsdp_2 step {step}", runs["fsdp_2"][step]["loss"], single[step]["loss"])
-    _assert_close(f"fsdp_2 step {MID} max logit", runs["fsdp_2"][MID]["max_logit"], single[MID]["max_logit"])
-    for name in ("fsdp_4_ep_2", "hsdp_2x2", "tp_2"):
+        _assert_close(f"fsdp_4_ep_2 step {step}", runs["fsdp_4_ep_2"][step]["loss"], single[step]["loss"])
+    _assert_close(f"fsdp_4_ep_2 step {MID} max logit", runs["fsdp_4_ep_2"][MID]["max_logit"], single[MID]["max_logit"])
+    for name in ("hsdp_2x2", "tp_2"):
         assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(MID + 1, STEPS + 1)), name
         for step in range(MID + 1, STEPS + 1):
             _assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])
@@ -71,18 +73,17 @@ def test_layouts_and_resumes_match_one_process(runs):
         assert "resumed from" in log and "starts afresh" not in log
 
 
-def test_switching_optimizer_on_resume(single, tmp_path):
+def test_switching_optimizer_on_resume(single, tmp_path, capfd):
     """AdamW over a Muon checkpoint: one line, exit 2; with checkpoint.reset_optimizer it goes on at
-    the schedule's LR for the step after the checkpoint's."""
+    the schedule's LR for the step after the checkpoint's. (Both runs in this process, as `_run`'s
+    one-process runs.)"""
     run_dir = tmp_path / "switch"
     last = single[1] / "checkpoint" / f"step-{STEPS}"
     shutil.copytree(last, run_dir / "checkpoint" / last.name)
     args = [*COMMON, *CKPT, *SCHEDULE, "--no-validation.enable", *SINGLE[1], "--training.steps", str(STEPS + 1)]
-    cmd = ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args]
-    env = {"NGPU": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (line,) = [x for x in proc.stderr.splitlines() if "optimizer state" in x]
+    with contextlib.chdir(tmp_path):
+        assert main(["--job.config_file", str(DEFAULT_CONFIG), "--job.dump_folder", str(run_dir), *args]) == 2
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "optimizer state" in x]
     assert "muon/float32" in line and "AdamW/float32" in line and "--checkpoint.reset_optimizer" in line
     resumed = _run(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [STEPS + 1]  # weights and step from the checkpoint
