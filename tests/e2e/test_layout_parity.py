@@ -21,7 +21,6 @@ Bound: rel 1e-5 (sharding only reorders fp32 sums; observed ~1e-7). The debug mo
 keeps each run to seconds.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -29,14 +28,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+from in_process import run_main
 
 from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
-from trainer.train import main
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO / "train_configs" / "debug_model.toml"  # run_train.sh's CONFIG_FILE default
 REL = 1e-5
 COMMON = [
     "--training.seq_len", "32", "--training.global_batch_size", "8",
@@ -97,18 +94,11 @@ ENGRAM_LAYOUTS = {
 def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
     """run_train.sh with NGPU processes; returns metrics.jsonl records by step.
 
-    One process runs in this one, as `trainer.train.main` with run_train.sh's default config (what
-    an NGPU=1 run_train.sh execs) and the launches' one intra-op thread: a launch would add the
-    ~4 s import of torch and prove nothing more.
+    One process runs in this one (tests/e2e/in_process.py): a launch would add the ~4 s import of
+    torch and prove nothing more.
     """
     if nproc == 1:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with contextlib.chdir(run_dir.parent):
-                assert main(["--job.config_file", str(DEFAULT_CONFIG), "--job.dump_folder", str(run_dir), *args]) == 0
-        finally:
-            torch.set_num_threads(threads)
+        assert run_main(run_dir.parent, "--job.dump_folder", str(run_dir), *args) == 0
     else:
         env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(

@@ -1,7 +1,7 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process (in this one, see test_layout_parity's `_run`) and
+settings). Launches are shared: one process (in this one: tests/e2e/in_process.py) and
 FSDP 4 x EP 2 run 6 steps with a checkpoint at step 3; HSDP 2x2 resumes FSDP 4 x EP 2's step-3
 checkpoint, TP 2 the single process's, and each continues the single process's steps 4-6 (rel
 1e-5). So every layout's Muon steps, with their optimizer state, and resuming Muon state into
@@ -12,14 +12,12 @@ logits): step 3's clip shapes every later step, and FSDP 4 x EP 2 clips it itsel
 changes no logged loss, so TP 2 (where QK-clip is refused) runs without it and still compares.
 """
 
-import contextlib
 import shutil
 from pathlib import Path
 
 import pytest
-from test_layout_parity import COMMON, DEFAULT_CONFIG, SINGLE, _assert_close, _run
-
-from trainer.train import main
+from in_process import run_main
+from test_layout_parity import COMMON, SINGLE, _assert_close, _run
 
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 STEPS, MID = 6, 3
@@ -75,14 +73,13 @@ def test_layouts_and_resumes_match_one_process(runs):
 
 def test_switching_optimizer_on_resume(single, tmp_path, capfd):
     """AdamW over a Muon checkpoint: one line, exit 2; with checkpoint.reset_optimizer it goes on at
-    the schedule's LR for the step after the checkpoint's. (Both runs in this process, as `_run`'s
-    one-process runs.)"""
+    the schedule's LR for the step after the checkpoint's. (Both runs in this process:
+    tests/e2e/in_process.py.)"""
     run_dir = tmp_path / "switch"
     last = single[1] / "checkpoint" / f"step-{STEPS}"
     shutil.copytree(last, run_dir / "checkpoint" / last.name)
     args = [*COMMON, *CKPT, *SCHEDULE, "--no-validation.enable", *SINGLE[1], "--training.steps", str(STEPS + 1)]
-    with contextlib.chdir(tmp_path):
-        assert main(["--job.config_file", str(DEFAULT_CONFIG), "--job.dump_folder", str(run_dir), *args]) == 2
+    assert run_main(tmp_path, "--job.dump_folder", str(run_dir), *args) == 2
     (line,) = [x for x in capfd.readouterr().err.splitlines() if "optimizer state" in x]
     assert "muon/float32" in line and "AdamW/float32" in line and "--checkpoint.reset_optimizer" in line
     resumed = _run(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])

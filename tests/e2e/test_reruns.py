@@ -4,7 +4,10 @@ succeeds without anything deleted, and each fresh run writes its own folder unde
 job.dump_folder (./outputs/debug_model), whose metrics file holds that run's steps alone.
 
 Every command gets the same short suffix (2 steps, a short sequence, one validation batch) to keep
-the test to seconds; the suffix comes first, so the command's own options still win.
+the test to seconds; the suffix comes first, so the command's own options still win. The quickstart,
+the CONFIG_FILE command and the failing one (refused by run_train.sh's pre-launch check) are
+launched through run_train.sh; the other commands differ only in their options, which reach
+`trainer.train.main` unchanged, so they run in this process (tests/e2e/in_process.py).
 """
 
 import json
@@ -13,31 +16,42 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from in_process import run_main
+
 from trainer.run_folder import latest_run_folder
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["--training.steps", "2", "--training.seq_len", "32", "--validation.steps", "1", "--no-job.print_config"]
-# (environment, the command's options) in README order, the failing command and its correction.
+# (environment or None for a run in this process, the command's options) in README order, the
+# failing command and its correction.
 COMMANDS = [
     ({}, []),
-    ({}, ["--training.steps", "3", "--optimizer.lr=1e-3"]),
-    ({}, ["--no-validation.enable", "--metrics.log_freq", "1"]),
+    (None, ["--training.steps", "3", "--optimizer.lr=1e-3"]),
+    (None, ["--no-validation.enable", "--metrics.log_freq", "1"]),
     ({"CONFIG_FILE": "my_config.toml"}, ["--training.mixed_precision_param", "bfloat16"]),
     ({}, ["--training.dataset", "json", "--training.dataset_path", "missing.jsonl"]),
-    ({}, ["--training.dataset", "json", "--training.dataset_path", "docs.jsonl"]),
+    (None, ["--training.dataset", "json", "--training.dataset_path", "docs.jsonl"]),
 ]
 
 
-def test_readme_commands_rerun_in_one_folder(tmp_path):
+def _command(tmp_path: Path, env: dict | None, options: list[str], capfd) -> subprocess.CompletedProcess:
+    if env is None:
+        code = run_main(tmp_path, *SHORT, *options)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(options, code, out, err)
+    return subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), *SHORT, *options], cwd=tmp_path,
+        env={**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_readme_commands_rerun_in_one_folder(tmp_path, capfd):
     shutil.copy(REPO / "train_configs/debug_model.toml", tmp_path / "my_config.toml")
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(60)))
     dump = tmp_path / "outputs" / "debug_model"
     seen = []
     for env, options in COMMANDS:
-        proc = subprocess.run(
-            ["bash", str(REPO / "run_train.sh"), *SHORT, *options], cwd=tmp_path,
-            env={**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=600,
-        )
+        proc = _command(tmp_path, env, options, capfd)
         out = proc.stdout + proc.stderr
         assert "Traceback" not in out, out[-3000:]
         if "missing.jsonl" in options:
