@@ -41,12 +41,10 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "hsdp_2x2_ep_2": (4, {"dp_replicate": 2, "ep": 2}),
     "fsdp_2_ac_op": (2, {}),
     "fsdp_2_ep_2_ac_full": (2, {"ep": 2}),
-    "fsdp_2_ep_2_compile": (2, {"ep": 2}),
 }
 EXTRA = {
     "fsdp_2_ac_op": ["--activation_checkpoint.mode", "op"],
     "fsdp_2_ep_2_ac_full": ["--activation_checkpoint.mode", "full"],
-    "fsdp_2_ep_2_compile": ["--training.compile"],
 }
 
 GLOBAL_BATCH = 4
@@ -98,10 +96,7 @@ def _global_batches(trainer, n: int):
 def run_layout(layout: str, workdir: str) -> dict:
     from trainer.train import Trainer
 
-    from torch._dynamo.utils import counters
-
     trainer = Trainer(_config(layout, os.path.join(workdir, layout)))
-    counters.clear()
     try:
         local = trainer.cfg.training.local_batch_size
         lo = trainer.dp_rank * local
@@ -111,9 +106,7 @@ def run_layout(layout: str, workdir: str) -> dict:
             stats = trainer.train_step([(inputs[lo : lo + local], labels[lo : lo + local])])
             losses.append(stats["loss"])
             norms.append(stats["grad_norm"])
-        # Compiled layouts: where dynamo broke the MoE block graphs (reason -> count).
-        breaks = dict(counters["graph_break"]) if trainer.cfg.training.compile else None
-        return {"loss": losses, "grad_norm": norms, "dp_world": trainer.dp_world, "graph_breaks": breaks}
+        return {"loss": losses, "grad_norm": norms, "dp_world": trainer.dp_world}
     finally:
         trainer.metrics.close()
 
