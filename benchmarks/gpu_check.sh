@@ -36,13 +36,14 @@ if [ "$DRY" = "1" ]; then
     # Same commands and table, sizes a 2-core CPU runs in seconds; compile and float8 variants
     # become eager ones / are skipped by step_bench (float8 speed needs a GPU).
     DEVICE=cpu
-    A_ARGS=(--flavor debugmodel --dtype fp32 --seq-len 32 --batch-size 2 --variants eager)
-    B_ARGS=(--flavor debugmodel --model-override n_layers=2 --dtype fp32 --seq-len 32 --batch-size 1)
+    SMALL=(--flavor debugmodel --model-override n_layers=2 --seq-len 32)
+    A_ARGS=("${SMALL[@]}" --dtype fp32 --batch-size 2 --variants eager)
+    B_ARGS=("${SMALL[@]}" --dtype fp32 --batch-size 1)
     B_VARIANT=eager
     D_VARIANTS=eager,eager_float8
     C_ARGS=(--flavor debugmodel --tokens 256 --dtype fp32 --rounds 2 --warmup 1)
-    E_ARGS=(--flavor debugmodel --dtype bf16 --seq-len 32 --batch-size 1 --variants eager)
-    F_ARGS=(--flavor debugmodel --dtype bf16 --seq-len 32 --batch-size 1 --variants eager,eager_autocast)
+    E_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager)
+    F_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager,eager_autocast)
     TIMING=(--steps 1 --repeats 1 --warmup 1)
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
