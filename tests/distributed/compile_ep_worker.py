@@ -13,7 +13,8 @@ So every other token scores 0.5 for all experts, and with the selection bias (0 
 0-3, below 0.5 for 4-7) picks two of experts 0-3, while a marker token scores ~1 for expert 4
 and picks it. Rank 1 holds experts 4-7: the rows it receives in a step are exactly the marker
 tokens of both ranks' batches. No optimizer step runs (the edited weights must stay as they are);
-forward and backward are what compile.
+forward and backward are what compile, and both are compared with the eager copy: the losses, and
+after every training step every gradient, whole.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoE
@@ -86,8 +88,26 @@ def run_step(model, mode: str, inputs, labels, loss_fn) -> float:
     out = model(inputs, labels=labels)
     loss = loss_fn(out.logits, labels) / labels.numel()
     (loss + out.aux_loss).backward()
-    model.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def grad_difference(compiled, eager) -> float:
+    """Largest |compiled - eager| over every gradient, whole, relative to the largest eager
+    gradient entry. The eager copy has no FSDP, so its dense gradients are summed over the ranks
+    here, as FSDP sums the compiled model's (trainer/parallel/fsdp.py); expert gradients are ep
+    DTensors in both. Collective: every rank calls it at the same step."""
+    eager_params = dict(eager.named_parameters())
+    worst, scale = 0.0, 0.0
+    for name, param in compiled.named_parameters():
+        got, want = param.grad.full_tensor(), eager_params[name].grad
+        if isinstance(want, DTensor):
+            want = want.full_tensor()
+        else:
+            want = want.clone()
+            dist.all_reduce(want)
+        worst = max(worst, (got - want).abs().max().item())
+        scale = max(scale, want.abs().max().item())
+    return worst / scale
 
 
 def run_steps(rank: int, dims: ParallelDims) -> dict:
@@ -105,7 +125,7 @@ def run_steps(rank: int, dims: ParallelDims) -> dict:
     torch._dynamo.reset()
     counters.clear()
     received = []  # (marker tokens, rows rank 1's experts received) per training step
-    compiled_losses, eager_losses = [], []
+    compiled_losses, eager_losses, grad_differences = [], [], []
     for step, (mode, *markers) in enumerate(WARMUP + ARMED):
         moe.tokens_per_expert.zero_()
         inputs, labels = batch(step, rank, markers[rank])
@@ -116,10 +136,14 @@ def run_steps(rank: int, dims: ParallelDims) -> dict:
             to_rank1 = moe.tokens_per_expert[4:].sum()
             dist.all_reduce(to_rank1)
             received.append((sum(markers), int(to_rank1)))
+            grad_differences.append(grad_difference(model, eager))
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
     return {
         "received": received,
         "compiled_losses": compiled_losses,
         "eager_losses": eager_losses,
+        "grad_differences": grad_differences,
         "graph_breaks": sorted(counters["graph_break"]),
         "unique_graphs": counters["stats"]["unique_graphs"],
     }

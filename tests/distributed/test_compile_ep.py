@@ -1,7 +1,7 @@
 """Compiled expert parallelism over 2 gloo ranks: no recompile when a rank's experts receive 0, 1
 or any number of rows (training and validation, under FSDP as in the Trainer), graph breaks only at
-the dispatcher's two all-to-alls, and the eager numbers (tests/distributed/compile_ep_worker.py
-sets the routing token by token)."""
+the dispatcher's two all-to-alls, and the eager numbers: losses and every gradient
+(tests/distributed/compile_ep_worker.py sets the routing token by token)."""
 
 import re
 
@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from trainer.diagnostics import spawn_local
+from trainer.parallel.fsdp import EXPERTS_IN_BLOCK_UNIT
 
 # Per compiled mode (training, then validation): the dense block, the MoE block's three pieces
 # (before dispatch(), between the exchanges, after exchange_back()), and the loss (training only).
 UNIQUE_GRAPHS = (1 + 3 + 1) + (1 + 3)
+DISPATCHER_BREAKS = ["AllToAllTokenDispatcher.dispatch", "AllToAllTokenDispatcher.exchange_back"]
+# Gradients, compiled vs eager, relative to the largest eager entry (fp32 reassociation: observed
+# 1.2e-7 on CPU, torch 2.13).
+GRAD_REL = 1e-5
 
 
 def _break_site(reason: str) -> str:
@@ -31,7 +36,15 @@ def test_compiled_ep_no_recompile_with_0_and_1_received_rows():
         # Rank 1's experts received exactly the planned rows, 0 and 1 among them, after warm-up.
         assert all(planned == got for planned, got in r["received"]), (where, r["received"])
         assert {0, 1} <= {got for _, got in r["received"][1:]}, (where, r["received"])
-        breaks = sorted(_break_site(reason) for reason in r["graph_breaks"])
-        assert breaks == ["AllToAllTokenDispatcher.dispatch", "AllToAllTokenDispatcher.exchange_back"], where
-        assert r["unique_graphs"] == UNIQUE_GRAPHS, where
+        # Expert weights are ep DTensors read through ``to_local`` inside the compiled MoE block:
+        # that adds no graph break, and the experts share their block's FSDP unit, whose hooks run
+        # outside the compiled forward. Where FSDP2 has no mesh per parameter (torch < 2.13) the
+        # experts are a unit of their own, whose hooks FSDP2 hides from dynamo: one break more.
+        sites = [_break_site(reason) for reason in r["graph_breaks"]]
+        assert sorted(site for site in sites if site in DISPATCHER_BREAKS) == DISPATCHER_BREAKS, (where, sites)
+        fsdp_hooks = [site for site in sites if site not in DISPATCHER_BREAKS and "fsdp" in site.lower()]
+        assert len(fsdp_hooks) == (0 if EXPERTS_IN_BLOCK_UNIT else 1) and len(sites) == 2 + len(fsdp_hooks), (where, sites)
+        if EXPERTS_IN_BLOCK_UNIT:  # the extra break of older torch splits the MoE pieces further
+            assert r["unique_graphs"] == UNIQUE_GRAPHS, where
         torch.testing.assert_close(r["compiled_losses"], r["eager_losses"], rtol=0, atol=1e-4, msg=where)
+        assert max(r["grad_differences"]) <= GRAD_REL, (where, r["grad_differences"])

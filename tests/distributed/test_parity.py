@@ -10,9 +10,9 @@ running several layouts in one process group:
 FSDP 2 and HSDP 2x2 x EP 2 also run through run_train.sh (tests/e2e/test_layout_parity.py:
 losses, gradient norms and validation), as do CP and EP-as-CP under each pipeline stage (pp_2_cp_2,
 pp_2_ep_2_as_cp) and EP-as-CP across two nodes (tests/e2e/test_multinode.py). Compiled EP blocks:
-tests/distributed/test_compile_ep.py shows them equal to eager EP under FSDP, and fsdp_2_ep_2
-here shows eager EP equal to one process (a compiled layout here would add ~50 s of inductor
-work on 2 cores for no other check).
+tests/distributed/test_compile_ep.py shows their losses and gradients equal to eager EP's under
+FSDP, and fsdp_2_ep_2 here shows eager EP equal to one process (a compiled layout here would add
+~50 s of inductor work on 2 cores).
 
 Bounds: losses agree to rel 1e-5 (observed ~1e-7: sharding only reorders fp32 sums). Gradient
 norms agree to rel 1e-5 between all layouts (the norm is summed in fp32 from per-shard pieces).

@@ -1,15 +1,16 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process (in this one: tests/e2e/in_process.py) and
-FSDP 4 x EP 2 run 6 steps with a checkpoint at step 3; HSDP 2x2 resumes FSDP 4 x EP 2's step-3
-checkpoint, TP 2 the single process's, and each continues the single process's steps 4-6 (rel
-1e-5). So every layout's Muon steps, with their optimizer state, and resuming Muon state into
-another layout (sharded to sharded, and whole to tensor-parallel) are checked together. (Six
-steps, not more: Newton-Schulz on every matrix makes a CPU step ~0.5 s, and every launch pays it.)
-QK-clip clips at steps 3 and 6 (`qk_clip_every 3`, a threshold below the debug model's max
-logits): step 3's clip shapes every later step, and FSDP 4 x EP 2 clips it itself. Step 6's clip
-changes no logged loss, so TP 2 (where QK-clip is refused) runs without it and still compares.
+settings). Launches are shared: one process (in this one: tests/e2e/in_process.py) and HSDP 2x2
+run 6 steps with a checkpoint at step 3; FSDP 4 x EP 2 resumes HSDP 2x2's step-3 checkpoint (into
+FSDP's strided shards on top of the expert shards, efsdp 2), TP 2 the single process's, and each
+continues the single process's steps 4-6 (rel 1e-5). So every layout's Muon steps, with their
+optimizer state, and resuming Muon state into another layout (sharded to sharded, and whole to
+tensor-parallel) are checked together. (Six steps, not more: Newton-Schulz on every matrix makes a
+CPU step ~0.5 s, and every launch pays it.) QK-clip clips at steps 3 and 6 (`qk_clip_every 3`, a
+threshold below the debug model's max logits): step 3's clip shapes every later step, and HSDP
+2x2 clips it itself. Step 6's clip changes no logged loss, so TP 2 (where QK-clip is refused)
+runs without it and still compares.
 """
 
 import shutil
@@ -48,9 +49,9 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(single):
     tmp = single[1].parent
-    nproc, flags = FSDP_4_EP_2
-    out = {"single": single[0], "fsdp_4_ep_2": _run(tmp / "fsdp_4_ep_2", nproc, [*RUN, *CLIP, *flags])}
-    for name, source, clip, (nproc, flags) in (("hsdp_2x2", "fsdp_4_ep_2", CLIP, HSDP_2X2), ("tp_2", "single", [], TP_2)):
+    nproc, flags = HSDP_2X2
+    out = {"single": single[0], "hsdp_2x2": _run(tmp / "hsdp_2x2", nproc, [*RUN, *CLIP, *flags])}
+    for name, source, clip, (nproc, flags) in (("fsdp_4_ep_2", "hsdp_2x2", CLIP, FSDP_4_EP_2), ("tp_2", "single", [], TP_2)):
         out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *clip, *flags])
     out["root"] = tmp
     return out
@@ -61,9 +62,9 @@ def test_layouts_and_resumes_match_one_process(runs):
     assert single[STEPS]["loss"] < single[1]["loss"]
     assert single[MID]["qk_clipped_heads"] > 0  # the clip at step MID acted
     for step in range(1, STEPS + 1):
-        _assert_close(f"fsdp_4_ep_2 step {step}", runs["fsdp_4_ep_2"][step]["loss"], single[step]["loss"])
-    _assert_close(f"fsdp_4_ep_2 step {MID} max logit", runs["fsdp_4_ep_2"][MID]["max_logit"], single[MID]["max_logit"])
-    for name in ("hsdp_2x2", "tp_2"):
+        _assert_close(f"hsdp_2x2 step {step}", runs["hsdp_2x2"][step]["loss"], single[step]["loss"])
+    _assert_close(f"hsdp_2x2 step {MID} max logit", runs["hsdp_2x2"][MID]["max_logit"], single[MID]["max_logit"])
+    for name in ("fsdp_4_ep_2", "tp_2"):
         assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(MID + 1, STEPS + 1)), name
         for step in range(MID + 1, STEPS + 1):
             _assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])

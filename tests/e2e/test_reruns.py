@@ -6,8 +6,8 @@ job.dump_folder (./outputs/debug_model), whose metrics file holds that run's ste
 Every command gets the same short suffix (2 steps, a short sequence, one validation batch) to keep
 the test to seconds; the suffix comes first, so the command's own options still win. The quickstart,
 the CONFIG_FILE command and the failing one (refused by run_train.sh's pre-launch check) are
-launched through run_train.sh; the other commands differ only in their options, which reach
-`trainer.train.main` unchanged, so they run in this process (tests/e2e/in_process.py).
+launched through run_train.sh (its pre-launch check included); the other commands differ only in
+their options, so they run `trainer.train.main` in this process (tests/e2e/in_process.py).
 """
 
 import json
