@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import run_main
 
-from trainer.train import main
 
 pytestmark = pytest.mark.slow
 
@@ -140,27 +140,25 @@ def test_worker_side_mistakes_give_one_line_per_rank(tmp_path, ngpu):
         (["--checkpoint.initial_load_path", "hf", "--checkpoint.initial_load_format", "hf"], ["model.safetensors"]),
     ],
 )
-def test_worker_side_mistakes_name_the_file(tmp_path, monkeypatch, capfd, args, names):
+def test_worker_side_mistakes_name_the_file(tmp_path, capfd, args, names):
     """Each reaches the user as the bad.jsonl launches above show; only the message differs."""
     bad_files(tmp_path)
-    proc, seconds = run_in_process(tmp_path, monkeypatch, capfd, *args)
+    proc, seconds = run_in_process(tmp_path, capfd, *args)
     assert_refused(proc, seconds, 1, *names, prelaunch=False)
 
 
-def run_in_process(tmp_path, monkeypatch, capfd, *args):
-    """`trainer.train.main` as an NGPU=1 run_train.sh execs it, from tmp_path: a launch would add
-    the ~4 s import of torch to prove nothing more."""
-    monkeypatch.chdir(tmp_path)  # relative paths, as from the user's working directory
+def run_in_process(tmp_path, capfd, *args):
+    """`trainer.train.main` as an NGPU=1 run_train.sh execs it, from tmp_path (tests/e2e/in_process.py),
+    as a completed process."""
     start = time.perf_counter()
-    code = main(["--job.config_file", str(REPO / "train_configs/debug_model.toml"),
-                 "--job.dump_folder", str(tmp_path / "run"), *SMALL, *args])
+    code = run_main(tmp_path, "--job.dump_folder", str(tmp_path / "run"), *SMALL, *args)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(args, code, out, err), time.perf_counter() - start
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cuda_without_a_gpu(tmp_path, monkeypatch, capfd):
-    proc, seconds = run_in_process(tmp_path, monkeypatch, capfd, "--training.device", "cuda")
+def test_cuda_without_a_gpu(tmp_path, capfd):
+    proc, seconds = run_in_process(tmp_path, capfd, "--training.device", "cuda")
     assert_refused(proc, seconds, 1, "training.device = 'cuda'", "--training.device cpu", prelaunch=False)
 
 
@@ -171,12 +169,12 @@ def test_resume_notes_changed_shapes_and_warns_of_a_checkpoint_without_metadata(
     Trainer's resume, whatever the number of processes; a resume in another layout through
     run_train.sh: tests/e2e/test_layout_parity.py::test_checkpoint_resumes_in_another_layout)."""
     run = tmp_path / "run"
-    common = ["--config", str(REPO / "train_configs/debug_model.toml"), *SMALL, "--job.dump_folder", str(run),
-              "--checkpoint.enable", "--checkpoint.interval", "1"]
-    assert main([*common, "--training.steps", "2"]) == 0  # saves steps 1 and 2
+    common = [*SMALL, "--job.dump_folder", str(run), "--checkpoint.enable", "--checkpoint.interval", "1"]
+    assert run_main(tmp_path, *common, "--training.steps", "2") == 0  # saves steps 1 and 2
     (run / "checkpoint" / "step-2" / ".metadata").unlink()
     # The resume doubles the global batch (local batch 2 -> 4) and takes seq_len 32 -> 48.
-    assert main([*common, "--training.steps", "3", "--training.seq_len", "48", "--training.local_batch_size", "4"]) == 0
+    assert run_main(tmp_path, *common, "--training.steps", "3", "--training.seq_len", "48",
+                    "--training.local_batch_size", "4") == 0
     log = (run / "train.log").read_text()
     assert "Traceback" not in log, log[-3000:]
     assert f"skipping {run / 'checkpoint' / 'step-2'}: it has no .metadata" in log, log[-3000:]

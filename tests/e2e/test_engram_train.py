@@ -1,8 +1,7 @@
 """train_configs/debug_engram.toml trains on one CPU process, and `CONFIG_FILE=train_configs/debug_engram.toml
 NGPU=2 ./run_train.sh` (sharded tables, offloaded optimizer state, a checkpoint) as on one.
 
-The one-process runs are in this process (`trainer.train.main`, what an NGPU=1 run_train.sh
-execs): a launch would add the ~4 s import of torch and prove nothing more."""
+The one-process runs are in this process (tests/e2e/in_process.py)."""
 
 import json
 import math
@@ -11,35 +10,25 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+from in_process import run_main
 
 from models.engram import find_primes
 from trainer.config import load_config
 from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
-from trainer.train import build_model_args, main
+from trainer.train import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 ENGRAM_CONFIG = REPO / "train_configs/debug_engram.toml"
 
 
-@pytest.fixture
-def one_thread():
-    """OMP_NUM_THREADS=1 of the launches for the runs in this process: the same intra-op split,
-    and no second thread waiting for a core that a busy machine gives to someone else."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_debug_engram_trains(tmp_path, capsys, one_thread):
-    assert main([
-        "--config", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "run"),
+def test_debug_engram_trains(tmp_path, capsys):
+    assert run_main(
+        tmp_path, "--job.config_file", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "run"),
         "--training.steps", "30", "--training.seq_len", "128", "--validation.freq", "30",
         "--validation.steps", "4", "--metrics.log_freq", "10", "--no-job.print_config",
-    ]) == 0
+    ) == 0
     assert "engram: layers [1, 3]" in capsys.readouterr().out
     records = list(_records(tmp_path / "run").values())
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
@@ -80,7 +69,7 @@ def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
 
 
 @pytest.mark.slow
-def test_two_processes_sharded_match_one_process(tmp_path, one_thread):
+def test_two_processes_sharded_match_one_process(tmp_path):
     """NGPU=2 with FSDP2, tables split over both ranks (embedding_parallel_degree 2, Adam state
     on the CPU, a checkpoint saved): 10 steps equal one process that splits the global batch the
     same way (2 micro-batches of 2), loss and gradient norm within 1e-5. One process taking the
@@ -94,7 +83,8 @@ def test_two_processes_sharded_match_one_process(tmp_path, one_thread):
         "--checkpoint.enable", "--checkpoint.interval", "10",
     )
     assert "engram 2" in sharded_out and "checkpoint step 10 saved" in sharded_out
-    assert main(["--config", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "single"), *PARITY]) == 0
+    assert run_main(tmp_path, "--job.config_file", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "single"),
+                    *PARITY) == 0
     single = _records(tmp_path / "single")
     for step in range(1, 11):
         for key in ("loss", "grad_norm"):
