@@ -392,15 +392,15 @@ class Trainer:
         return stats
 
     def objective(
-        self, out, mb, aux_scale: float, n_valid: torch.Tensor, n_valid_mtp: torch.Tensor
+        self, out, targets, aux_scale: float, n_valid: torch.Tensor, n_valid_mtp: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What one micro-batch's backward differentiates (next-token loss over the global valid
         count, the MoE balance loss, the weighted MTP loss), with its next-token and MTP terms."""
-        loss = self.loss_fn(out.logits, mb.labels) / n_valid
+        loss = self.loss_fn(out.logits, targets.labels) / n_valid
         objective = loss + out.aux_loss * aux_scale
         mtp = torch.zeros((), device=loss.device)
         if out.mtp_logits:
-            mtp = mb.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
+            mtp = targets.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
             objective = objective + self.cfg.model.mtp_loss_weight * mtp
         return objective, loss, mtp
 

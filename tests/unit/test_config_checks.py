@@ -123,14 +123,6 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (64, ["--model.flavor", "671B", "--parallelism.pp", "64", "--training.local_batch_size", "64"], ["64 stages", "only 61 blocks"]),
         (2, ["--model.flavor", "671b"], ["model.flavor", "did you mean '671B'"]),
         (1, ["--model.name", "llama3"], ["model.name = 'llama3' is not allowed", "deepseek_v3"]),
-        (
-            4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.pp_schedule", "DualPipeV"],
-            ["before the weight pass", "1 x 2 x 1"],
-        ),
-        (
-            4, ["--parallelism.pp", "2", "--parallelism.cp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"],
-            ["FSDP / HSDP (here dp_replicate x dp_shard x cp = 1 x 1 x 2)", "1F1B or Interleaved1F1B"],
-        ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|t*3X"], ["cannot read 'X'"]),
         (4, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], ["pp_microbatches = 2 must divide training.local_batch_size = 3"]),
     ],
@@ -148,6 +140,12 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     assert main(["--world-size", "4", *run, "--parallelism.ep", "2", "--training.global_batch_size", "64"]) == 0
     assert main(["--world-size=2", *run, "--parallelism.cp", "2", "--training.seq_len", "104"]) == 0
     assert main(["--world-size", "2", *run, "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]) == 0
+    # The zero-bubble schedules with data and context parallelism (issue 30).
+    for flags in (["--parallelism.dp_shard", "2", "--parallelism.ep", "2"], ["--parallelism.dp_replicate", "2"],
+                  ["--parallelism.cp", "2"]):
+        for schedule in ("DualPipeV", "ZBVZeroBubble", "InterleavedZeroBubble"):
+            argv = ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *flags]
+            assert main(["--world-size", "4", *run, *argv]) == 0, argv
     assert main(["--world-size", "4", *run, "--parallelism.pp", "4", "--parallelism.pp_layout", "Et|t*2|t*2|tL"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.cp", "2"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp"]) == 0

@@ -15,7 +15,6 @@ from typing import ClassVar
 
 from trainer.config.fields import ConfigError
 from trainer.config.pipeline_layout import (
-    ZERO_BUBBLE_SCHEDULES,
     default_microbatches,
     default_stages_per_rank,
     pp_layout_problems,
@@ -144,15 +143,6 @@ class Layout:
             return
         problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
         problems += pp_layout_problems(self.pp_layout, self.pp_stages)
-        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.data_parallel_enabled:
-            # FSDP reduces a block's gradients when backward reaches the block's input: in these
-            # schedules that is the input pass, before the weight pass has made the weight gradients.
-            problems.append(
-                f"parallelism.pp_schedule = {self.pp_schedule!r} splits each backward into input and weight passes, "
-                f"and FSDP / HSDP (here dp_replicate x dp_shard x cp = {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.cp}) would reduce the gradients before the weight pass; use --parallelism.pp_schedule 1F1B "
-                "or Interleaved1F1B with data or context parallelism"
-            )
         if problems:
             raise LayoutError("; ".join(problems))
 

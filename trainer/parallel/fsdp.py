@@ -77,7 +77,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
     ignored_params: set[nn.Parameter] | None = None,
-    root_runs_forward: bool = True,
+    stages: list[nn.Module] | None = None,
 ) -> None:
     """Shards ``model`` in place.
 
@@ -87,70 +87,76 @@ def apply_fsdp(
             are sharded with their block on ``dense_mesh``.
         reshard_after_forward: "default" (all but the root), "always", "never".
         ignored_params: parameters FSDP leaves alone (plain fp32 tensors, never gathered).
-        root_runs_forward: False for a pipeline stage, whose model's own forward never runs (the
-            stage calls its parts): the embedding, the norm and the head become units of their
-            own, since only a unit's forward gathers its parameters.
+        stages: under pipeline parallelism, this rank's stage modules (trainer/parallel/pipeline.py),
+            which the schedule runs instead of ``model``: each becomes the root of its blocks'
+            units and holds its embedding / norm / head in its own group. torch's pipelining then
+            defers every unit's reduction to the stage's ``REDUCE_GRAD`` (the zero-bubble schedules
+            are correct only so: docs/parallelism.md). A parameter that two local stages share
+            (the embedding, which MTP on the last stage reads, under a V schedule) belongs to the
+            first; the second leaves it to that one.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = list(model.layers.values())
-    if getattr(model, "mtp", None) is not None:
-        blocks += [m for m in model.mtp]
-    units: list[FSDPModule] = []
-    expert_units: dict[int, FSDPModule] = {}
+    ignored_params = set(ignored_params or ())
     expert_placement = _expert_placement_fn(model, expert_mesh) if expert_mesh is not None else None
-    for i, block in enumerate(blocks):
-        reshard = _reshard(reshard_after_forward, is_last=False)
+    units: dict[nn.Module, list[FSDPModule]] = {}
+    for block in _blocks(model):
+        experts = None
         if expert_mesh is not None and expert_placement is None:
             for sub in block.modules():
                 if isinstance(sub, MoE):
                     fully_shard(
-                        sub.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
-                        ignored_params=ignored_params,
+                        sub.experts, mesh=expert_mesh, reshard_after_forward=_reshard(reshard_after_forward, False),
+                        mp_policy=mp, ignored_params=ignored_params,
                     )
                     _set_sum_reduction(sub.experts)
-                    expert_units[i] = sub.experts
+                    experts = sub.experts
         fully_shard(
-            block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored_params,
-            shard_placement_fn=expert_placement,
+            block, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False), mp_policy=mp,
+            ignored_params=ignored_params, shard_placement_fn=expert_placement,
         )
         _set_sum_reduction(block)
-        units.append(block)
-    if not root_runs_forward:
-        # One unit each: a unit whose forward runs without the root's becomes a root itself,
-        # and FSDP refuses a root of several modules.
-        for part in (model.embed, model.norm, model.head):
-            if part is not None:
-                fully_shard(
-                    part, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, False),
-                    mp_policy=mp, ignored_params=ignored_params,
-                )
-                _set_sum_reduction(part)
-    fully_shard(
-        model, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=mp,
-        ignored_params=ignored_params,
+        units[block] = [block] + ([experts] if experts is not None else [])
+    roots = [model] if stages is None else stages
+    # A stage's inputs are the residual stream (already in the compute dtype) and the running fp32
+    # balance loss, which a cast to param_dtype would round: its units cast their own inputs.
+    root_mp = mp if stages is None else MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
-    _set_sum_reduction(model)
+    claimed: set[nn.Parameter] = set()
+    for root in roots:
+        fully_shard(
+            root, mesh=dense_mesh, reshard_after_forward=_reshard(reshard_after_forward, True), mp_policy=root_mp,
+            ignored_params=ignored_params | claimed,
+        )
+        _set_sum_reduction(root)
+        claimed |= set(root.parameters())
+        if expert_mesh is not None:
+            _prefetch_in_order([units[b] for b in _blocks(root)])
 
-    if expert_mesh is not None and root_runs_forward:
-        # (Without the root's forward each unit initialises as a root of its own, and FSDP can
-        # prefetch only units initialised under the same root.)
-        # With EP the block's all-to-alls (and their host read of the split sizes) come before
-        # the next block's all-gathers: fetch the next block (and its experts, where they are a
-        # unit of their own) explicitly so the gathers overlap the exchange (implicit prefetch
-        # would only start the next gather after the all-to-all returns).
-        for i, block in enumerate(units):
-            nxt = [units[i + 1]] if i + 1 < len(units) else []
-            if i + 1 in expert_units:
-                nxt.append(expert_units[i + 1])
-            if nxt:
-                block.set_modules_to_forward_prefetch(nxt)
-        for i in range(len(units) - 1, 0, -1):
-            prev = [units[i - 1]]
-            if i - 1 in expert_units:
-                prev.append(expert_units[i - 1])
-            units[i].set_modules_to_backward_prefetch(prev)
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model or a pipeline stage, in the order its forward runs them."""
+    blocks = list(module.layers.values()) if hasattr(module, "layers") else list(getattr(module, "blocks", ()))
+    if getattr(module, "mtp", None) is not None:
+        blocks += list(module.mtp)
+    return blocks
+
+
+def _prefetch_in_order(units: list[list[FSDPModule]]) -> None:
+    """Explicit prefetch of the next (forward) and previous (backward) block's units.
+
+    With EP the block's all-to-alls (and their host read of the split sizes) come before the next
+    block's all-gathers: fetching the next block (and its experts, where they are a unit of their
+    own) explicitly lets the gathers overlap the exchange, where implicit prefetch would only start
+    the next gather after the all-to-all returns. Only units under one root can prefetch each other.
+    """
+    for i, block in enumerate(units):
+        if i + 1 < len(units):
+            block[0].set_modules_to_forward_prefetch(units[i + 1])
+        if i > 0:
+            block[0].set_modules_to_backward_prefetch(units[i - 1])
 
 
 def _expert_placement_fn(model: nn.Module, expert_mesh):
@@ -170,6 +176,17 @@ def _expert_placement_fn(model: nn.Module, expert_mesh):
         return ShardPlacementResult(Shard(0), mesh_info) if id(param) in experts else None
 
     return placement
+
+
+def reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether the FSDP unit ``module`` frees its gathered parameters after forward. FSDP2 has a
+    setter for this but no getter: read off its parameter groups (one per mesh on torch >= 2.13,
+    one in all before)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return any(group.post_forward_mesh_info is not None for group in groups)
 
 
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:

@@ -19,7 +19,7 @@ On one process each of these is a no-op or the plain single-device computation. 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,15 +38,13 @@ from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_part
 
 
 @dataclass
-class MicroBatch:
-    """One micro-batch as this rank feeds it to the model."""
+class Targets:
+    """What one micro-batch's loss compares with: next-token labels and, under context
+    parallelism, the MTP targets (shifted on the full sequence, then split)."""
 
-    inputs: torch.Tensor
     labels: torch.Tensor
-    model_kwargs: dict = field(default_factory=dict)
-    """Engram ids and, under context parallelism, global positions and the attention mask."""
     mtp_labels: list[torch.Tensor] | None = None
-    """Context parallelism: MTP targets shifted on the full sequence, then split (None: shift here)."""
+    """None: each MTP depth shifts ``labels`` itself."""
 
     def mtp_targets(self, depth: int) -> list[torch.Tensor]:
         """Depth k predicts labels shifted by k + 1: its last k + 1 positions have no target."""
@@ -58,6 +56,20 @@ class MicroBatch:
         if self.mtp_labels is None:
             return mtp_loss(mtp_logits, self.labels, ignore_index=IGNORE_INDEX)[0]
         return sum(map(cross_entropy_sum, mtp_logits, self.mtp_labels))
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as this rank feeds it to the model."""
+
+    inputs: torch.Tensor
+    targets: Targets
+    model_kwargs: dict = field(default_factory=dict)
+    """Engram ids and, under context parallelism, global positions and the attention mask."""
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.targets.labels
 
 
 class ParallelStep:
@@ -107,11 +119,11 @@ class ParallelStep:
         engram_ids = self.engram_hasher(inputs) if self.engram_hasher is not None else None
         cp = self.context_parallel
         if cp is None:
-            return MicroBatch(inputs, labels, {"engram_ids": engram_ids})
+            return MicroBatch(inputs, Targets(labels), {"engram_ids": engram_ids})
         # Keep this rank's head-tail chunks of every sequence.
         shard = cp.shard_batch(inputs, labels, engram_ids)
         kwargs = {"engram_ids": shard.engram_ids, "positions": shard.positions, "attn_mask": shard.attn_mask}
-        return MicroBatch(shard.tokens, shard.labels, kwargs, shard.mtp_labels)
+        return MicroBatch(shard.tokens, Targets(shard.labels, shard.mtp_labels), kwargs)
 
     def prepare(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], mtp_depth: int
@@ -121,7 +133,7 @@ class ParallelStep:
         micro = [self.prepare_batch(inputs, labels) for inputs, labels in batches]
         device = micro[0].labels.device
         n_valid = sum(count_valid(mb.labels) for mb in micro)
-        n_mtp = sum(count_valid(t) for mb in micro for t in mb.mtp_targets(mtp_depth))
+        n_mtp = sum(count_valid(t) for mb in micro for t in mb.targets.mtp_targets(mtp_depth))
         counts = torch.stack([torch.as_tensor(n, device=device) for n in (n_valid, n_mtp)])
         # Every rank divides by the global counts (all data and context ranks), so the summed
         # gradients are those of the global mean.
@@ -150,7 +162,7 @@ class ParallelStep:
         return 1.0 / (n_micro * self.loss_degree)
 
     def forward_backward(self, micro: list[MicroBatch], objective: Callable, autocast: Callable) -> tuple:
-        """Forward and backward of every micro-batch. ``objective(out, mb, aux_scale)`` gives
+        """Forward and backward of every micro-batch. ``objective(out, targets, aux_scale)`` gives
         (the tensor to differentiate, its cross-entropy and MTP terms); returns this rank's sums
         of those two terms (detached)."""
         loss_total = torch.zeros((), device=micro[0].labels.device)
@@ -159,7 +171,7 @@ class ParallelStep:
         for mb in self.microbatches(micro):
             with autocast():
                 out = self.model(mb.inputs, labels=mb.labels, **mb.model_kwargs)
-                loss, ce, mtp = objective(out, mb, aux_scale)
+                loss, ce, mtp = objective(out, mb.targets, aux_scale)
             loss.backward()
             loss_total += self.value(ce.detach())
             mtp_total += self.value(mtp.detach())
