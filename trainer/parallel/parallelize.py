@@ -39,7 +39,7 @@ from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp, one_process_mesh
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule, apply_pipeline
-from trainer.parallel.pipeline_step import PipelineStep, activation_meta
+from trainer.parallel.pipeline_step import PipelineStep, activation_meta, check_zero_bubble_stages
 from trainer.parallel.step import ParallelStep
 from trainer.parallel.tensor_parallel import apply_tensor_parallel
 from trainer.parallel.weight_init import init_model_weights
@@ -185,6 +185,8 @@ def build_step(
             model, dims, stage.context_parallel, keep_weights_between_microbatches=stage.one_process_cast,
             engram_hasher=engram_hasher,
         )
+    if dims.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        check_zero_bubble_stages(stage.stages, dims.pp_schedule)
     activation = activation_meta(training, dims, model.args.dim, stage.param_dtype)
     return PipelineStep(
         model, dims, stage.stages, activation, context_parallel=stage.context_parallel, engram_hasher=engram_hasher

@@ -109,8 +109,6 @@ class PipelineStep(ParallelStep):
         **kwargs,
     ):
         super().__init__(model, dims, pp=dims.mesh("pp"), **kwargs)
-        if dims.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-            check_zero_bubble_stages(stages, dims.pp_schedule)
         self.stages = stages
         self.pp_mesh = dims.mesh("pp")
         self.activation_shape, self.activation_dtype = activation

@@ -1,0 +1,147 @@
+"""Worker of tests/distributed/test_pipeline_grads.py: every gradient after one pipelined training
+step (forward and backward only), compared on each rank with one process computing the same
+step on the whole batch.
+
+The model is a small DeepSeek-V3 (4 blocks, the first dense, MoE with the sequence-wise balance
+loss, MTP depth 1), fp32, on the trainer's own path: `parallelize_model` (pipeline split, FSDP,
+step object) and `PipelineStep.forward_backward` with the trainer's objective. The one-process
+reference is the same model built and initialised in this process (initial weights depend on the
+seed and each parameter's global name only), with its gradients summed over the whole batch.
+
+``negative_control``: the same pipeline with every FSDP unit resharding its parameters after
+forward (torch's public ``set_reshard_after_forward``), which the zero-bubble schedules cannot
+handle. The step object is built past `build_step`'s guard, which is checked to refuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+VOCAB = 128
+SEED = 3
+MTP_WEIGHT = 0.3
+
+
+def model_args():
+    from models.deepseek_v3 import DeepSeekV3ModelArgs
+    from models.moe import MoEArgs
+
+    return DeepSeekV3ModelArgs(
+        vocab_size=VOCAB, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=4, n_dense_layers=1, n_heads=2,
+        moe=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
+                    seq_aux_loss_alpha=1e-2),
+        q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        max_seq_len=SEQ_LEN, mtp_depth=1,
+    )
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    seq = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:].clone()
+
+
+def _objective(out, targets, aux_scale, n_valid, n_valid_mtp):
+    """The trainer's objective (trainer/train.py `Trainer.objective`) with its default loss."""
+    from trainer.loss import cross_entropy_sum
+
+    loss = cross_entropy_sum(out.logits, targets.labels) / n_valid
+    mtp = targets.mtp_loss_sum(out.mtp_logits) / n_valid_mtp
+    return loss + out.aux_loss * aux_scale + MTP_WEIGHT * mtp, loss, mtp
+
+
+def _reference_grads() -> dict[str, torch.Tensor]:
+    """One process, the whole batch, one micro-batch."""
+    from models.deepseek_v3 import DeepSeekV3Model
+    from trainer.parallel.parallelize import materialize
+    from trainer.parallel.step import Targets
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(model_args())
+    materialize(model, torch.device("cpu"), SEED)
+    model.train()
+    tokens, labels = _batch()
+    targets = Targets(labels)
+    n_valid = torch.tensor(float(labels.numel()))
+    n_mtp = torch.tensor(float(sum(t.numel() for t in targets.mtp_targets(1))))
+    objective, _, _ = _objective(model(tokens, labels=labels), targets, 1.0, n_valid, n_mtp)
+    objective.backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control: bool):
+    """This rank's model and step after one forward and backward, plus whether the guard refused."""
+    from functools import partial
+
+    from models.deepseek_v3 import DeepSeekV3Model
+    from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
+    from trainer.parallel.parallel_dims import ParallelDims
+    from trainer.parallel.parallelize import apply_pipeline, build_step, materialize, parallelize_stage
+    from trainer.parallel.pipeline_step import PipelineStep, activation_meta
+
+    world = dist.get_world_size()
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, ep=ep, ep_as_cp=False, world_size=world, pp=pp,
+        pp_schedule=schedule,
+    )
+    dims.build_meshes("cpu")
+    parallelism = Parallelism(pp=pp, dp_shard=dp_shard, ep=ep, pp_schedule=schedule)
+    training = Training(seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dims.dp_degree,
+                        mixed_precision_param="float32")
+    with torch.device("meta"):
+        model = DeepSeekV3Model(model_args())
+    specs = apply_pipeline(model, dims, SEQ_LEN)
+    stage = parallelize_stage(model, dims, parallelism, training, ActivationCheckpoint(), Quantize(), Engram(), "cpu", specs)
+    refused = None
+    if negative_control:
+        for module in stage.stages:  # the blocks' units (the stage roots hold what two stages share)
+            for unit in module.blocks:
+                unit.set_reshard_after_forward(True)
+        try:
+            build_step(model, dims, training, stage)
+        except ValueError as e:
+            refused = str(e)
+        step = PipelineStep(model, dims, stage.stages, activation_meta(training, dims, model.args.dim, torch.float32),
+                            context_parallel=stage.context_parallel)
+    else:
+        step = build_step(model, dims, training, stage)
+    materialize(model, torch.device("cpu"), SEED)
+    model.train()
+    tokens, labels = _batch()
+    dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)
+    rows = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
+    micro, n_valid, n_mtp = step.prepare([(tokens[rows], labels[rows])], model.args.mtp_depth)
+    objective = partial(_objective, n_valid=n_valid, n_valid_mtp=n_mtp)
+    with step.loss_context():
+        step.forward_backward(micro, objective, contextlib.nullcontext)
+    return model, refused
+
+
+def run(rank: int, world: int, port: int, layout: dict, queue) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from trainer.diagnostics import init_local_gloo
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    init_local_gloo(rank, world, port)
+    try:
+        reference = _reference_grads()
+        model, refused = _pipelined(**layout)
+        worst, missing = 0.0, []
+        for name, param in model.named_parameters():
+            if param.grad is None:
+                missing.append(name)
+                continue
+            got = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            want = reference[name]
+            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+        queue.put({"rank": rank, "max_rel": worst, "missing": missing, "refused": refused,
+                   "params": sum(1 for _ in model.parameters())})
+    finally:
+        dist.destroy_process_group()
