@@ -1,4 +1,11 @@
-"""One-process runs in the pytest process, as an NGPU=1 run_train.sh runs them.
+"""How the e2e tests run the trainer as a user does, and read what a run logged.
+
+`run_layout` launches run_train.sh with NGPU processes, or, for one process, runs it in the
+pytest process (`run_main`); both return metrics.jsonl's records by step. `COMMON` are the parity
+settings (fp32, deterministic, global batch 8, the debug model at seq_len 32) and `assert_close`
+their bound.
+
+One-process runs in the pytest process, as an NGPU=1 run_train.sh runs them:
 
 NGPU=1 run_train.sh runs its pre-launch check (trainer/config/check.py), then execs `python -m
 trainer.train --job.config_file <CONFIG_FILE> ARGS`, whose `__main__` guard only calls
@@ -7,16 +14,61 @@ through run_train.sh elsewhere: tests/e2e/test_bad_inputs.py, test_reruns.py), w
 process's ~4 s import of torch, which is most of a short test run's cost on 2 cores.
 """
 
+import json
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import torch
 
+from trainer.diagnostics import free_port
+from trainer.run_folder import latest_run_folder
 from trainer.train import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "train_configs" / "debug_model.toml"  # run_train.sh's CONFIG_FILE default
+COMMON = [
+    "--training.seq_len", "32", "--training.global_batch_size", "8",
+    "--training.mixed_precision_param", "float32", "--training.deterministic",
+    "--metrics.log_freq", "1", "--validation.steps", "2", "--job.print_config=false",
+]
+# Sharding only reorders fp32 sums: layouts agree to ~1e-7.
+REL = 1e-5
+
+
+def assert_close(what: str, got: float, want: float, rel: float = REL) -> None:
+    assert abs(got - want) <= rel * abs(want), f"{what}: {got} vs {want}"
+
+
+def launch(run_dir: Path, nproc: int, args: list[str]) -> str:
+    """run_train.sh with NGPU=nproc processes from ``run_dir``'s parent; returns what it printed."""
+    env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
+        cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """The newest run folder's metrics.jsonl, its records merged by step."""
+    records: dict[int, dict] = {}
+    for line in (latest_run_folder(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["step"], {}).update(record)
+    return records
+
+
+def run_layout(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
+    """`launch`, or for one process `run_main` here (a launch would add the ~4 s import of torch
+    and prove nothing more); returns the run's records by step."""
+    if nproc == 1:
+        assert run_main(run_dir.parent, "--job.dump_folder", str(run_dir), *args) == 0
+    else:
+        launch(run_dir, nproc, args)
+    return metrics_by_step(run_dir)
 
 
 def run_main(cwd: Path, *args: str) -> int:

@@ -6,10 +6,12 @@ global batch order (trainer/data/datasets.py), the layout-invariant init
 (trainer/parallel/weight_init.py) and the validation over the same held-out global batches. A
 checkpoint taken at step 5 resumes in another layout and continues the uninterrupted run's losses:
 FSDP 2 in 1 process and in HSDP 2x2 x EP 2; 1F1B pp 2 in 1 process, in pp 2 x FSDP 2 and in ZBV
-pp 2 (stages 0 and 3 on rank 0); 1 process in Interleaved1F1B pp 2 (four stages).
+pp 2 (stages 0 and 3 on rank 0); 1F1B pp 2 x FSDP 2 in DualPipeV pp 2 x FSDP 2 x EP 2; 1 process in
+Interleaved1F1B pp 2 (four stages). The zero-bubble schedules run with FSDP, HSDP's replicate
+dimension, EP, CP and Engram's split tables.
 
 Launches are the suite's cost (each process spends ~4 s importing torch), so runs are shared between
-tests through a module-scoped cache and one launch proves several things: the three 10-step
+tests through a module-scoped cache and one launch proves several things: the four 10-step
 checkpointed runs (STRAIGHT) check their layout's parity on all ten steps, and the layouts a
 checkpoint is resumed into (RESUMED_INTO) check theirs on the resumed steps 6-10 and the step-10
 validation, against the 1-process run's, instead of a 5-step launch of their own. The 1-process
@@ -22,24 +24,14 @@ keeps each run to seconds.
 """
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from in_process import run_main
-
-from trainer.diagnostics import free_port
-from trainer.run_folder import latest_run_folder
+from in_process import COMMON, assert_close, run_layout
 
 REPO = Path(__file__).resolve().parents[2]
-REL = 1e-5
-COMMON = [
-    "--training.seq_len", "32", "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32", "--training.deterministic",
-    "--metrics.log_freq", "1", "--validation.steps", "2", "--job.print_config=false",
-]
 # Warmup over steps 1-5 and no decay: steps 1-5 have the same LR in a 5-step and a 10-step run, so
 # a 5-step run compares with the first five steps of the 1-process 10-step run.
 SCHEDULE = ["--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0"]
@@ -48,10 +40,20 @@ RESUME = [
     *COMMON, *SCHEDULE, "--training.steps", "10", "--validation.freq", "5",
     "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
 ]
-STRAIGHT = ("single", "fsdp_2", "pp_2")
+STRAIGHT = ("single", "fsdp_2", "pp_2", "pp_2_fsdp_2")
 # Layout -> the STRAIGHT layout whose step-5 checkpoint it resumes (test_checkpoint_resumes_in_another_layout).
-RESUMED_INTO = {"hsdp_2x2_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2", "pp_2_zbv": "pp_2", "pp_2_interleaved": "single"}
+RESUMED_INTO = {
+    "hsdp_2x2_ep_2": "fsdp_2", "pp_2_fsdp_2": "pp_2", "pp_2_zbv": "pp_2", "pp_2_interleaved": "single",
+    # 1F1B pp 2 x FSDP 2 (2 stages) -> DualPipeV (4 stages) with experts over 2 ranks (issue 30).
+    "pp_2_dualpipev_fsdp_2_ep_2": "pp_2_fsdp_2",
+}
 RESUMES = [("fsdp_2", "single"), ("pp_2", "single"), *((source, layout) for layout, source in RESUMED_INTO.items())]
+
+
+def _schedule(name: str) -> list[str]:
+    return ["--parallelism.pp", "2", "--parallelism.pp_schedule", name]
+
+
 # name -> (processes, [parallelism] and local-batch flags)
 LAYOUTS = {
     # Local batch 2 of the global 8 over 2 ranks: two accumulated micro-batches per step.
@@ -76,6 +78,20 @@ LAYOUTS = {
     "pp_2_ep_2_as_cp": (
         4, ["--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp", "--training.local_batch_size", "8"],
     ),
+    # The zero-bubble schedules with data and context parallelism (issue 30): stage modules are FSDP
+    # roots whose units keep their parameters from forward to the step's one gradient reduction.
+    "pp_2_dualpipev_fsdp_2_ep_2": (
+        4,
+        ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard", "2",
+         "--parallelism.ep", "2", "--training.local_batch_size", "4"],
+    ),
+    "pp_2_zbv_fsdp_2": (
+        4, [*_schedule("ZBVZeroBubble"), "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"],
+    ),
+    "pp_2_interleaved_zb_dp_replicate_2": (
+        4, [*_schedule("InterleavedZeroBubble"), "--parallelism.dp_replicate", "2", "--training.local_batch_size", "4"],
+    ),
+    "pp_2_dualpipev_cp_2": (4, [*_schedule("DualPipeV"), "--parallelism.cp", "2", "--training.local_batch_size", "8"]),
 }
 SINGLE = (1, ["--training.local_batch_size", "8"])
 # Engram blocks 1 and 3 on different pipeline stages (0-1 | 2-5), tables whole or split over 2 ranks.
@@ -88,29 +104,13 @@ ENGRAM_LAYOUTS = {
         [*ENGRAM, *ENGRAM_PP, "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
          "--engram.embedding_parallel_degree", "2"],
     ),
+    # Four stages, split by cost: the Engram blocks' tables are looked up inside DualPipeV's stages.
+    "engram_pp_2_dualpipev_fsdp_2_table_2": (
+        4,
+        [*ENGRAM, *_schedule("DualPipeV"), "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
+         "--engram.embedding_parallel_degree", "2"],
+    ),
 }
-
-
-def _run(run_dir: Path, nproc: int, args: list[str]) -> dict[int, dict]:
-    """run_train.sh with NGPU processes; returns metrics.jsonl records by step.
-
-    One process runs in this one (tests/e2e/in_process.py): a launch would add the ~4 s import of
-    torch and prove nothing more.
-    """
-    if nproc == 1:
-        assert run_main(run_dir.parent, "--job.dump_folder", str(run_dir), *args) == 0
-    else:
-        env = {**os.environ, "NGPU": str(nproc), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
-            cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records: dict[int, dict] = {}
-    for line in (latest_run_folder(run_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record["step"], {}).update(record)
-    return records
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +124,11 @@ def runs(tmp_path_factory):
             run_dir = tmp / name
             if start_from is not None:
                 shutil.copytree(start_from, run_dir / "checkpoint" / start_from.name)
-            cache[name] = _run(run_dir, nproc, args)
+            cache[name] = run_layout(run_dir, nproc, args)
         return cache[name]
 
     get.root = tmp
     return get
-
-
-def _assert_close(what: str, got: float, want: float) -> None:
-    assert abs(got - want) <= REL * abs(want), f"{what}: {got} vs {want}"
 
 
 def _layout(name: str) -> tuple[int, list[str]]:
@@ -166,13 +162,13 @@ def _parity_run(runs, name: str) -> tuple[dict[int, dict], range, tuple[int, ...
 def _assert_parity(layout: str, got: dict, steps: range, validated: tuple[int, ...], single: dict) -> None:
     assert [s for s in got if "loss" in got[s]] == list(steps)
     for step in steps:
-        _assert_close(f"{layout} step {step} loss", got[step]["loss"], single[step]["loss"])
+        assert_close(f"{layout} step {step} loss", got[step]["loss"], single[step]["loss"])
     # Gradient norms over the warmup only: at step 9 the norm spikes (1.9 -> 4.2) and is
     # ill-conditioned, 2e-4 to 1e-3 apart between layouts whose losses agree to 5e-7.
     for step in (s for s in steps if s <= 5):
-        _assert_close(f"{layout} step {step} grad_norm", got[step]["grad_norm"], single[step]["grad_norm"])
+        assert_close(f"{layout} step {step} grad_norm", got[step]["grad_norm"], single[step]["grad_norm"])
     for step in validated:
-        _assert_close(f"{layout} step {step} val_loss", got[step]["val_loss"], single[step]["val_loss"])
+        assert_close(f"{layout} step {step} val_loss", got[step]["val_loss"], single[step]["val_loss"])
     # Not a constant: the model trains, and step 1 is not the layout-independent ln(vocab).
     assert single[5]["loss"] < single[1]["loss"]
 
@@ -203,7 +199,7 @@ def test_checkpoint_resumes_in_another_layout(runs, source, layout):
     resumed = _resumed(runs, source, layout)
     assert sorted(s for s in resumed if "loss" in resumed[s]) == list(range(6, 11))
     for step in range(6, 11):
-        _assert_close(f"{source} resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
+        assert_close(f"{source} resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
     log = (runs.root / f"{source}_resumed_{layout}" / "train.log").read_text()
     assert "resumed from" in log and "not restored" not in log and "restart from the seed" not in log
 

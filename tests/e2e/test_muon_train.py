@@ -17,14 +17,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from in_process import run_main
-from test_layout_parity import COMMON, SINGLE, _assert_close, _run
+from in_process import COMMON, assert_close, run_layout, run_main
 
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 STEPS, MID = 6, 3
 CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(MID), "--optimizer.qk_clip_threshold", "0.17"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(MID), "--checkpoint.keep_latest_k", "0"]
 # (processes, [parallelism] and local-batch flags) for the global batch 8
+SINGLE = (1, ["--training.local_batch_size", "8"])
 FSDP_4_EP_2 = (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--training.local_batch_size", "2"])
 HSDP_2X2 = (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"])
 TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
@@ -36,21 +36,21 @@ RUN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", str(STEPS)]
 def _resumed(tmp: Path, name: str, source: Path, nproc: int, args: list[str]) -> dict[int, dict]:
     run_dir = tmp / name
     shutil.copytree(source, run_dir / "checkpoint" / source.name)
-    return _run(run_dir, nproc, args)
+    return run_layout(run_dir, nproc, args)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One process, STEPS steps, checkpoints at MID and STEPS: (metrics by step, run folder)."""
     run_dir = tmp_path_factory.mktemp("muon") / "single"
-    return _run(run_dir, SINGLE[0], [*RUN, *CLIP, *SINGLE[1]]), run_dir
+    return run_layout(run_dir, SINGLE[0], [*RUN, *CLIP, *SINGLE[1]]), run_dir
 
 
 @pytest.fixture(scope="module")
 def runs(single):
     tmp = single[1].parent
     nproc, flags = HSDP_2X2
-    out = {"single": single[0], "hsdp_2x2": _run(tmp / "hsdp_2x2", nproc, [*RUN, *CLIP, *flags])}
+    out = {"single": single[0], "hsdp_2x2": run_layout(tmp / "hsdp_2x2", nproc, [*RUN, *CLIP, *flags])}
     for name, source, clip, (nproc, flags) in (("fsdp_4_ep_2", "hsdp_2x2", CLIP, FSDP_4_EP_2), ("tp_2", "single", [], TP_2)):
         out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *clip, *flags])
     out["root"] = tmp
@@ -62,12 +62,12 @@ def test_layouts_and_resumes_match_one_process(runs):
     assert single[STEPS]["loss"] < single[1]["loss"]
     assert single[MID]["qk_clipped_heads"] > 0  # the clip at step MID acted
     for step in range(1, STEPS + 1):
-        _assert_close(f"hsdp_2x2 step {step}", runs["hsdp_2x2"][step]["loss"], single[step]["loss"])
-    _assert_close(f"hsdp_2x2 step {MID} max logit", runs["hsdp_2x2"][MID]["max_logit"], single[MID]["max_logit"])
+        assert_close(f"hsdp_2x2 step {step}", runs["hsdp_2x2"][step]["loss"], single[step]["loss"])
+    assert_close(f"hsdp_2x2 step {MID} max logit", runs["hsdp_2x2"][MID]["max_logit"], single[MID]["max_logit"])
     for name in ("fsdp_4_ep_2", "tp_2"):
         assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(MID + 1, STEPS + 1)), name
         for step in range(MID + 1, STEPS + 1):
-            _assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])
+            assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])
         log = (runs["root"] / name / "train.log").read_text()
         assert "resumed from" in log and "starts afresh" not in log
 
@@ -83,7 +83,7 @@ def test_switching_optimizer_on_resume(single, tmp_path, capfd):
     assert run_main(tmp_path, "--job.dump_folder", str(run_dir), *args) == 2
     (line,) = [x for x in capfd.readouterr().err.splitlines() if "optimizer state" in x]
     assert "muon/float32" in line and "AdamW/float32" in line and "--checkpoint.reset_optimizer" in line
-    resumed = _run(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])
+    resumed = run_layout(run_dir, 1, [*args, "--checkpoint.reset_optimizer"])
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [STEPS + 1]  # weights and step from the checkpoint
     assert resumed[STEPS + 1]["lr"] == pytest.approx(single[0][STEPS]["lr"])  # warmup over: the schedule's peak LR
     assert "starts afresh" in (run_dir / "train.log").read_text()
