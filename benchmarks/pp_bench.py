@@ -1,23 +1,26 @@
-"""Pipeline parallelism on CPU: step time and bubble fraction per schedule, and the memory
-estimate of a 671B layout with and without pipelining.
+"""Pipeline parallelism on CPU: step time, per-rank bubble and stage balance per schedule, and
+the memory estimate of a 671B layout with and without pipelining.
 
     python benchmarks/pp_bench.py                      # pp 2 on 2 CPU processes, debug model
-    python benchmarks/pp_bench.py --schedules 1F1B ZBVZeroBubble --steps 8
+    python benchmarks/pp_bench.py --schedules 1F1B DualPipeV --steps 8
     python benchmarks/pp_bench.py --microbatches 8     # more, smaller micro-batches
+    python benchmarks/pp_bench.py --split even         # the old even split of layer equivalents
+    python benchmarks/pp_bench.py --dp-shard 2         # pp 2 x FSDP 2 on 4 processes
 
 Each schedule trains the debug model with the real `Trainer` (gloo, fp32, one thread per rank,
-the same global batch) on ``--pp`` processes. The step time is the median over the steps after
-the first two (warm-up), from the run's tokens/s. The bubble is measured on every rank as the
-share of the training time it spends outside its stages' compute:
+the same global batch) on ``--pp x --dp-shard`` processes. The step time is the median over the
+steps after the first two (warm-up), from the run's tokens/s. Inside each schedule run (torch's
+``step``: the pipeline's forwards, backwards, transfers and gradient reduction, not the optimizer)
+every rank times its stages' compute (PipelineStage forward / backward / weight-backward):
 
-    bubble = 1 - (time inside PipelineStage forward / backward / weight-backward) / training time
+    bubble of a rank = 1 - (its stages' compute) / (its schedule run's time)
 
-so waiting for a neighbour's activations or gradients, and the transfers themselves, count as
-bubble; the table shows the mean over ranks. The stage methods are timed by wrapping them in
-this process (the schedules call them; nothing else in torch reports busy time). Then the
-memory estimate (trainer/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs: the best layout
-without pipelining and the pipelined recipe of docs/parallelism.md. Prints markdown tables and
-one JSON line.
+so waiting for a neighbour's activations or gradients, the transfers and FSDP's reductions count
+as bubble. Both are summed over the runs after the warm-up steps. The stage balance is each pipeline
+rank's share of the stage compute (of data rank 0's pipeline); a perfect split gives 1 / pp each.
+A schedule that fails is reported in its row and the others still run. Then the memory estimate
+(trainer/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs. Prints markdown tables and one JSON
+line.
 """
 
 from __future__ import annotations
@@ -40,28 +43,45 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE_WORK = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-def _timed_stage_work() -> list[float]:
-    """Wraps the stage methods the schedules call with a clock; returns the running total."""
+def _timed_schedule_runs() -> list[list[float]]:
+    """Clocks the schedules' ``step`` and the stage methods they call; returns a list that gets
+    one ``[run seconds, stage compute seconds]`` per schedule run (timing only: nothing else in
+    torch reports a rank's busy time)."""
+    from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    busy = [0.0]
+    runs: list[list[float]] = []
 
-    def timed(method):
+    def timed_work(method):
         def run(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                busy[0] += time.perf_counter() - start
+                if runs:
+                    runs[-1][1] += time.perf_counter() - start
+
+        return run
+
+    def timed_step(method):
+        def run(*args, **kwargs):
+            runs.append([0.0, 0.0])
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                runs[-1][0] = time.perf_counter() - start
 
         return run
 
     for name in STAGE_WORK:
-        setattr(_PipelineStageBase, name, timed(getattr(_PipelineStageBase, name)))
-    return busy
+        setattr(_PipelineStageBase, name, timed_work(getattr(_PipelineStageBase, name)))
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        cls.step = timed_step(cls.step)
+    return runs
 
 
-def _worker(rank: int, world: int, port: int, argv: list[str], queue) -> None:
+def _worker(rank: int, world: int, port: int, argv: list[str], warmup: int, queue) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled",
@@ -72,30 +92,54 @@ def _worker(rank: int, world: int, port: int, argv: list[str], queue) -> None:
     from trainer.train import Trainer
 
     torch.set_num_threads(1)
-    busy = _timed_stage_work()
+    runs = _timed_schedule_runs()
     trainer = Trainer(load_config(argv))
-    start = time.perf_counter()
     trainer.train()
-    queue.put((rank, busy[0], time.perf_counter() - start))
+    kept = runs[warmup:]
+    pp_rank = trainer.parallel_dims.mesh("pp").get_local_rank()
+    data_rank = trainer.parallel_dims.dp_rank_and_degree()[0] if trainer.parallel_dims.has_mesh("dp") else 0
+    queue.put({"rank": rank, "pp_rank": pp_rank, "data_rank": data_rank,
+               "run_s": sum(r[0] for r in kept), "busy_s": sum(r[1] for r in kept)})
     trainer.close()
 
 
+def even_layout(n_layers: int, mtp_depth: int, n_stages: int) -> str:
+    """The even split of layer equivalents (each block, E, L and each MTP module weigh one) as a
+    ``pp_layout`` string: the split before stages were balanced by cost."""
+    from trainer.config.pipeline_layout import split_stages
+
+    specs = split_stages(n_layers, mtp_depth, n_stages)
+    return "|".join(("E" if s.first else "") + "t" * len(s.layers) + ("L" if s.last else "") for s in specs)
+
+
 def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
+    stages = default_stages_per_rank(schedule)
     argv = [
         "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
         "--job.dump_folder", str(folder), "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
-        "--training.global_batch_size", str(args.batch), "--training.local_batch_size", str(args.batch),
+        "--training.global_batch_size", str(args.batch),
+        "--training.local_batch_size", str(args.batch // args.dp_shard),
         "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--no-validation.enable",
         "--no-job.print_config", "--lr_scheduler.warmup_steps", "2",
-        "--parallelism.pp", str(args.pp), "--parallelism.pp_schedule", schedule,
-        "--parallelism.pp_microbatches", str(microbatches),
+        "--parallelism.pp", str(args.pp), "--parallelism.dp_shard", str(args.dp_shard),
+        "--parallelism.pp_schedule", schedule, "--parallelism.pp_microbatches", str(microbatches),
     ]
-    ranks = spawn_local(_worker, args.pp, argv, timeout=1800)
+    if args.split == "even":
+        from models.deepseek_v3 import get_flavor
+
+        flavor = get_flavor("debugmodel")
+        argv += ["--parallelism.pp_layout", even_layout(flavor.n_layers, flavor.mtp_depth, args.pp * stages)]
+    ranks = spawn_local(_worker, args.pp * args.dp_shard, argv, 2, timeout=1800)
     records = [json.loads(line) for line in (latest_run_folder(folder) / "metrics.jsonl").read_text().splitlines()]
-    tokens_per_device = args.batch * args.seq_len / args.pp
+    tokens_per_device = args.batch * args.seq_len / args.pp / args.dp_shard
     times = [tokens_per_device / r["tokens_per_sec"] for r in records if r["step"] > 2 and "tokens_per_sec" in r]
-    bubbles = [1 - busy / train_s for _, busy, train_s in sorted(ranks)]
-    return {"step_s": statistics.median(times), "bubble": statistics.mean(bubbles), "bubble_per_rank": bubbles}
+    pipeline = sorted((r for r in ranks if r["data_rank"] == 0), key=lambda r: r["pp_rank"])
+    busy = [r["busy_s"] for r in pipeline]
+    return {
+        "stages_per_rank": stages, "microbatches": microbatches, "step_s": statistics.median(times),
+        "bubble_per_rank": [1 - r["busy_s"] / r["run_s"] for r in pipeline],
+        "work_share_per_rank": [b / sum(busy) for b in busy],
+    }
 
 
 def memory_rows(gpus: int) -> list[dict]:
@@ -122,27 +166,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schedules", nargs="+", default=list(PP_SCHEDULES), choices=PP_SCHEDULES)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--dp-shard", dest="dp_shard", type=int, default=1, help="FSDP degree beside pp")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seq-len", dest="seq_len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences), one data rank")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--microbatches", type=int, default=-1,
                    help="pp_microbatches (at least the schedule's fewest; -1: the fewest)")
+    p.add_argument("--split", choices=("cost", "even"), default="cost",
+                   help="stage split: by estimated cost (the trainer's) or the even split of layer equivalents")
     p.add_argument("--gpus", type=int, default=512, help="GPUs of the 671B memory comparison")
     args = p.parse_args(argv)
 
-    results = {"pp": args.pp, "seq_len": args.seq_len, "batch": args.batch, "schedules": {}}
+    results = {"pp": args.pp, "dp_shard": args.dp_shard, "seq_len": args.seq_len, "batch": args.batch,
+               "split": args.split, "schedules": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.schedules:
-            stages = default_stages_per_rank(name)
-            micro = max(args.microbatches, default_microbatches(name, args.pp, stages))
-            results["schedules"][name] = {
-                "stages_per_rank": stages, "microbatches": micro, **run(Path(tmp) / name, name, micro, args),
-            }
-    print(f"pp {args.pp}, debug model, seq_len {args.seq_len}, global batch {args.batch}\n")
-    print("| schedule | stages/rank | micro-batches | step (s) | bubble fraction (mean of ranks) |")
-    print("|---|---|---|---|---|")
+            micro = max(args.microbatches, default_microbatches(name, args.pp, default_stages_per_rank(name)))
+            try:
+                results["schedules"][name] = run(Path(tmp) / name, name, micro, args)
+            except Exception as e:  # one schedule's failure must not hide the others' figures
+                results["schedules"][name] = {"microbatches": micro, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    print(f"pp {args.pp} x dp_shard {args.dp_shard}, debug model, seq_len {args.seq_len}, global batch {args.batch}, "
+          f"{args.split} split\n")
+    print("| schedule | stages/rank | micro-batches | step (s) | bubble per pp rank | stage work per pp rank |")
+    print("|---|---|---|---|---|---|")
     for name, r in results["schedules"].items():
-        print(f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['step_s']:.3f} | {r['bubble']:.2f} |")
+        if "error" in r:
+            print(f"| {name} | | {r['microbatches']} | failed: {r['error']} | | |")
+            continue
+        bubble = " / ".join(f"{b:.2f}" for b in r["bubble_per_rank"])
+        share = " / ".join(f"{w:.0%}" for w in r["work_share_per_rank"])
+        print(f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['step_s']:.3f} | {bubble} | {share} |")
     rows = memory_rows(args.gpus)
     results["memory_671b"] = rows
     print(f"\n671B on {args.gpus} GPUs, seq_len 4096, AC full, global batch {args.gpus} sequences (estimate, GiB/GPU):\n")

@@ -4,6 +4,9 @@
         --seq_len 4096 --local_batch_size 1 --ac full
     python scripts/estimate_memory.py --flavor 671B --pp 8 --pp_schedule Interleaved1F1B --dp_shard 64 \
         --ep 32 --seq_len 4096 --local_batch_size 8 --ac full
+    # DeepSeek-V3's layout on 2048 GPUs: DualPipeV, pp 16 x ep 64 x ZeRO data parallelism 128
+    python scripts/estimate_memory.py --flavor 671B --pp 16 --pp_schedule DualPipeV --pp_microbatches 32 \
+        --dp_shard 128 --ep 64 --seq_len 4096 --local_batch_size 32 --ac full
 
 What is counted and what is not is in trainer/memory.py's docstring; the trainer itself refuses a
 run whose estimate exceeds the device's free memory before building the model.
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp_stages_per_rank", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--pp_microbatches", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--seq_len", type=int, required=True)
-    p.add_argument("--local_batch_size", type=int, default=1, help="sequences per data rank per micro-batch")
+    p.add_argument("--local_batch_size", type=int, default=1,
+                   help="sequences per data rank per accumulation micro-batch (with --pp: split into --pp_microbatches)")
     p.add_argument("--ac", choices=("full", "none"), default="full")
     p.add_argument("--mixed_precision", choices=tuple(ACT_BYTES), default="bfloat16",
                    help="activation dtype: training.mixed_precision_param")
@@ -72,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  parameters per GPU        {r['params_per_gpu_B']:8.3f} B")
     for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"),
                        ("backward_temporaries", "embed/head grad temps"), ("optimizer", "optimizer states"),
-                       ("fsdp_unsharded_block", "FSDP unsharded blocks"), ("bf16_weight_copies", "bf16 weight copies"),
+                       ("fsdp_unsharded_block", "FSDP unsharded blocks"),
+                       ("zero_bubble_unsharded_params", "zero-bubble unsharded"),
+                       ("zero_bubble_grad_accumulators", "zero-bubble fp32 grad acc"),
+                       ("bf16_weight_copies", "bf16 weight copies"),
                        ("allocator_rounding", "allocator rounding"), ("cublas_workspace", "cuBLAS workspace"),
                        ("layers", "activations (blocks)"),
                        ("logits_and_loss", "logits + loss"), ("total", "total (peak)")):

@@ -39,7 +39,8 @@ def read_texts(corpus: Path) -> list[str]:
 
 def train_ranks(texts: list[str], n_mergeable: int) -> list[bytes]:
     """Train a byte-level BPE and return its tokens in rank order."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(

@@ -15,6 +15,15 @@ during backward while the saved activations are released, so the total holds par
 optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
 (activations + logits + FSDP buffers + bf16 weight copies + the attention mask).
 
+Zero-bubble schedules under FSDP (``ZERO_BUBBLE_SCHEDULES``, ``dp_shard x cp > 1``): every FSDP
+unit of a rank's stages keeps its parameters unsharded after forward (``reshard_after_forward=False``,
+the condition of their split backward) and accumulates unsharded fp32 gradients until the
+schedule's ``REDUCE_GRAD`` at the end of the step, so all the rank's stages hold their unsharded
+parameters in the compute dtype and fp32 unsharded gradient accumulators through the step (ZeRO-2
+within a step). They replace the all-gathered blocks of the FSDP buffers; one block's fp32
+reduce-scatter buffer stays. They are counted outside the forward / backward maximum, next to the
+sharded gradients that ``REDUCE_GRAD`` writes while the last accumulators are still held.
+
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
   non-embedding parameter lives through forward and backward (autocast's weight cache, or FSDP2's
@@ -38,8 +47,15 @@ from pathlib import Path
 import torch
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
+from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError
-from trainer.config.pipeline_layout import rank_stages, split_stages
+from trainer.config.pipeline_layout import (
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineCosts,
+    rank_stages,
+    split_stages,
+    stage_ranks,
+)
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
@@ -148,10 +164,12 @@ def estimate(
     ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask; ``optimizer``
     and ``state_dtype``: ``[optimizer] name`` and ``state_dtype``.
 
-    With ``pp`` > 1 every pipeline rank holds its stages' blocks (the first the embedding, the
+    With ``pp`` > 1 the stages are split as the trainer splits them (by training FLOPs, unless
+    ``pp_layout``); every pipeline rank holds its stages' blocks (the first the embedding, the
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
-    of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); the
-    estimate is the fullest rank's, with every rank's total in ``gib_per_pp_rank``."""
+    of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
+    zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
+    the fullest rank's, with every rank's total in ``gib_per_pp_rank``."""
     a = model_args or get_flavor(flavor)
     if seq_len % (2 * cp) and cp > 1:
         raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
@@ -169,7 +187,9 @@ def estimate(
         return {"flavor": flavor, "layout": layout, **result}
     if local_batch_size % pp_microbatches:
         raise ValueError(f"pp_microbatches={pp_microbatches} must divide local_batch_size={local_batch_size}")
-    specs = split_stages(a.n_layers, a.mtp_depth, pp * pp_stages_per_rank, pp_layout)
+    n_stages = pp * pp_stages_per_rank
+    costs = PipelineCosts(**stage_unit_costs(a, seq_len))
+    specs = split_stages(a.n_layers, a.mtp_depth, n_stages, pp_layout, costs, stage_ranks(pp_schedule, pp, n_stages))
     in_flight = min(pp, pp_microbatches)
     ranks = []
     for rank in range(pp):
@@ -177,7 +197,7 @@ def estimate(
         first, last = any(s.first for s in mine), any(s.last for s in mine)
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // pp_microbatches, in_flight, **share,
+            local_batch_size // pp_microbatches, in_flight, zero_bubble=pp_schedule in ZERO_BUBBLE_SCHEDULES, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, pp_microbatches=pp_microbatches)
@@ -190,10 +210,11 @@ def estimate(
 def _estimate_share(
     a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: int, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
-    block_causal_sdpa: bool, optimizer: str, state_dtype: str,
+    block_causal_sdpa: bool, optimizer: str, state_dtype: str, zero_bubble: bool = False,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
-    modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once."""
+    modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
+    ``zero_bubble``: its stages run a zero-bubble schedule (unsharded through the step under FSDP)."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -218,12 +239,18 @@ def _estimate_share(
         muon_local += len(blocks) * _replicated_matrices(a) / fsdp
     states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
 
+    # Zero-bubble stages under FSDP: everything this rank holds, gathered over the FSDP ranks
+    # (still split over tp and ep), in the compute dtype and as fp32 gradient accumulators.
+    unsharded_stages = zero_bubble and fsdp > 1
+    stage_params = split / tp + repl + experts / ep if unsharded_stages else 0.0
     # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
-    # param dtype, and the block being reduced holds its fp32 unsharded gradient. Without
-    # sharding (one data rank) there is no FSDP wrap and no such buffer.
+    # param dtype (already in stage_params when the stages stay unsharded), and the block being
+    # reduced holds its fp32 unsharded gradient. Without sharding (one data rank) there is no
+    # FSDP wrap and no such buffer.
     biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"]) if blocks else None
     unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep if blocks else 0.0
-    transient = unsharded * (2 * act_bytes + 4) / GiB if fsdp > 1 else 0.0
+    gathered = 0 if unsharded_stages else 2 * act_bytes
+    transient = unsharded * (gathered + 4) / GiB if fsdp > 1 else 0.0
 
     tokens = rows * seq_len / cp  # local tokens per micro-batch
     per_layer = [
@@ -260,13 +287,16 @@ def _estimate_share(
         "params_per_gpu_B": local / 1e9,
         "gib": {
             **states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations,
+            "zero_bubble_unsharded_params": stage_params * act_bytes / GiB,
+            "zero_bubble_grad_accumulators": stage_params * 4 / GiB,
             "bf16_weight_copies": copies / GiB, "allocator_rounding": rounding / GiB,
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
     }
     g = result["gib"]
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
-    g["total"] = g["params"] + g["optimizer"] + g["allocator_rounding"] + g["cublas_workspace"] + max(
+    held = g["params"] + g["optimizer"] + g["zero_bubble_unsharded_params"] + g["zero_bubble_grad_accumulators"]
+    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + max(
         g["grads"] + g["backward_temporaries"], forward + g["attention_mask"]
     )
     return result
@@ -312,7 +342,8 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:
         g = est["gib"]
-        biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads"), key=g.get)
+        biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads",
+                       "zero_bubble_unsharded_params", "zero_bubble_grad_accumulators"), key=g.get)
         raise ConfigError(
             f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
             f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "

@@ -30,11 +30,11 @@ from models.deepseek_v3 import (
 from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.memory import check_fits
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
+from trainer.memory import check_fits
 from trainer.metrics import (
     MetricsLogger,
     device_description,
@@ -43,8 +43,6 @@ from trainer.metrics import (
     throughput_record,
 )
 from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
-from trainer.profiling import Profiler, StepBreakdown
-from trainer.qk_clip import QKClip
 from trainer.parallel import (
     ParallelDims,
     build_loss_function,
@@ -57,6 +55,8 @@ from trainer.parallel import (
     materialize,
     parallelize_model,
 )
+from trainer.profiling import Profiler, StepBreakdown
+from trainer.qk_clip import QKClip
 from trainer.run_folder import open_run_folder
 from trainer.runtime import (
     git_revision,

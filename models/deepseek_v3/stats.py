@@ -18,6 +18,9 @@ Conventions (print them next to every MFU figure):
   (N-1) x K looked-up rows (`memory_dim` values per Engram layer) are active, and they are no
   matmul, so they are left out of the FLOPs like the embedding. The rest of an Engram module
   (key/value projections, depthwise conv, norms) counts like any other weight.
+* `stage_unit_costs` splits the same FLOPs by the pieces a pipeline stage can hold (embedding,
+  each block, norm + head, each MTP module with its use of the head) and adds the cross-entropy's
+  elementwise work, so the pipeline split balances stages by the work they do.
 """
 
 import torch
@@ -34,6 +37,14 @@ def _is_routed_expert(param_name: str) -> bool:
     # Routed experts are the stacked `...ffn.experts.w{1,2,3}`; shared experts live under
     # `shared_experts.` and do not match the leading dot.
     return ".experts." in param_name
+
+
+def _matmul_params(args: DeepSeekV3ModelArgs, param_name: str, numel: int) -> float:
+    """Weights a token multiplies with: none of a lookup table (an untied embedding, Engram's
+    tables), `top_k / num_experts` of the routed experts, all of the rest."""
+    if (param_name == "embed.weight" and not args.tie_embeddings) or _is_engram_table(param_name):
+        return 0.0
+    return numel * args.moe.top_k / args.moe.num_experts if _is_routed_expert(param_name) else numel
 
 
 def _param_counts(args: DeepSeekV3ModelArgs) -> dict[str, float]:
@@ -79,3 +90,37 @@ def flops_per_token(args: DeepSeekV3ModelArgs, seq_len: int, include_mtp: bool =
         n_attn_layers += args.mtp_depth
     attention = 6 * n_attn_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * matmul_params + attention
+
+
+# Per logit, forward + backward: max, subtract, exp, sum, log for the log-softmax, then softmax
+# minus one-hot. Small next to the head's 6 x dim, but a tiny model's head is a large share of it.
+CROSS_ENTROPY_FLOPS_PER_LOGIT = 8
+
+
+def stage_unit_costs(args: DeepSeekV3ModelArgs, seq_len: int) -> dict[str, float | tuple[float, ...]]:
+    """Training FLOPs per token of each piece a pipeline stage can hold, keyed as the fields of
+    `trainer.config.pipeline_layout.PipelineCosts` (models/ does not import the trainer):
+    ``embed`` (a lookup: 0), ``blocks`` (one per block: its matmuls, the active routed experts
+    and its Engram projections, and the attention-score term at ``seq_len``), ``head`` (final norm,
+    head and cross-entropy; a tied head too) and ``mtp`` (per module: ``eh_proj``, its norms, its
+    block and a second use of the head with its cross-entropy). Without the cross-entropy they add
+    up to ``flops_per_token(args, seq_len)``."""
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    pieces: dict[str, float] = {}
+    for name, param in model.named_parameters():  # a tied head is yielded once, as embed.weight
+        parts = name.split(".")
+        if parts[0] in ("layers", "mtp"):
+            piece = f"{parts[0]}.{parts[1]}"
+        else:  # embed (no matmul unless tied, and then it is the head's), norm, head
+            piece = "head" if parts[0] == "embed" else parts[0]
+        pieces[piece] = pieces.get(piece, 0.0) + _matmul_params(args, name, param.numel())
+    attention = 6 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    loss = CROSS_ENTROPY_FLOPS_PER_LOGIT * args.vocab_size
+    head_use = 6 * args.dim * args.vocab_size + loss
+    return {
+        "embed": 0.0,
+        "blocks": tuple(6 * pieces[f"layers.{i}"] + attention for i in range(args.n_layers)),
+        "head": 6 * (pieces["norm"] + pieces.get("head", 0.0)) + loss,
+        "mtp": tuple(6 * pieces[f"mtp.{k}"] + attention + head_use for k in range(args.mtp_depth)),
+    }

@@ -57,8 +57,8 @@ def test_run_all_reads_each_output_kind(tmp_path):
 
 
 def test_model_overrides_reach_top_level_and_nested_fields():
-    from trainer.diagnostics import ModelOverrideError, apply_overrides
     from models.deepseek_v3 import get_flavor
+    from trainer.diagnostics import ModelOverrideError, apply_overrides
 
     base = get_flavor("16B")
     a = apply_overrides(base, ["n_layers=4", "moe.num_experts=16", "moe.route_norm=false", "rope_factor=2.5"])

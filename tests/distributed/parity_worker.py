@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-
 from pathlib import Path
 
 import torch

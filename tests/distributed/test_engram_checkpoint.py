@@ -8,9 +8,8 @@ step 4 also depends on the restored Adam moments. The three layouts split each s
 differently, so equal losses and norms also check the sharded lookups, the gradient sums and the
 count of each table row in the norm against each other."""
 
-import pytest
-
 import engram_worker
+import pytest
 
 from trainer.diagnostics import spawn_local
 

@@ -9,8 +9,8 @@ parallelism over the same ranks (ids hashed before the split, the short conv's l
 the other ranks): logits and every gradient against the unsplit model.
 """
 
-import pytest
 import engram_worker
+import pytest
 
 from trainer.diagnostics import spawn_local
 

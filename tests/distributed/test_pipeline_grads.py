@@ -14,9 +14,8 @@ Bound: rel 1e-5 of each tensor's largest gradient (sharding and splitting only r
 
 from __future__ import annotations
 
-import pytest
-
 import pipeline_grads_worker
+import pytest
 
 from trainer.diagnostics import spawn_local
 

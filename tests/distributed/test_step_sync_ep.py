@@ -4,7 +4,6 @@ micro-batch: the all-to-all split sizes, the one documented sync of the EP dispa
 from __future__ import annotations
 
 import pytest
-
 import step_sync_worker
 
 from trainer.diagnostics import spawn_local

@@ -115,12 +115,11 @@ def train_layout(layout: str) -> list[tuple[float, float]]:
     """Every rank of the default process group (of the layout's world size) trains the layout."""
     from torch.distributed.tensor import DTensor
 
-    from trainer.parallel.context_parallel import apply_context_parallel
-    from trainer.parallel.expert_parallel import apply_expert_parallel
-    from trainer.parallel.fsdp import apply_fsdp
+    from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
     from trainer.parallel.grad_norm import clip_grad_norm_
     from trainer.parallel.parallel_dims import ParallelDims
-    from trainer.parallel.tensor_parallel import apply_tensor_parallel, maybe_loss_parallel, replicate_partial_grads
+    from trainer.parallel.parallelize import parallelize_stage
+    from trainer.parallel.tensor_parallel import maybe_loss_parallel, replicate_partial_grads
 
     world, kwargs = LAYOUTS[layout]
     if dist.get_world_size() != world:
@@ -128,14 +127,12 @@ def train_layout(layout: str) -> list[tuple[float, float]]:
     dims = ParallelDims(dp_replicate=1, world_size=world, **kwargs)
     dims.build_meshes("cpu")
     model = build_model()
-    # House order: TP -> EP -> CP -> FSDP.
-    if dims.tp_enabled:
-        apply_tensor_parallel(model, dims.mesh("tp"))
-    if dims.ep_enabled:
-        apply_expert_parallel(model, dims.mesh("ep"))
-    cp = apply_context_parallel(model, dims.mesh("context")) if dims.context_enabled else None
-    if dims.data_parallel_enabled:
-        apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp") if dims.ep_enabled else None)
+    # The trainer's house order (TP -> EP -> CP -> FSDP here), on the materialized model.
+    stage = parallelize_stage(
+        model, dims, Parallelism(), Training(mixed_precision_param="float32"), ActivationCheckpoint(), Quantize(),
+        Engram(), "cpu",
+    )
+    cp = stage.context_parallel
     opt = _optimizer(model)
     loss_group = dims.mesh("loss").get_group() if dims.has_mesh("loss") else None
     dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)

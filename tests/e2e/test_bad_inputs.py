@@ -19,7 +19,6 @@ import pytest
 import torch
 from in_process import run_main
 
-
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]

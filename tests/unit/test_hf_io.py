@@ -2,9 +2,9 @@
 an imported (sharded, and FP8-quantised) HF checkpoint against `transformers`."""
 
 import dataclasses
-import logging
 import importlib.util
 import json
+import logging
 import math
 from pathlib import Path
 

@@ -104,3 +104,64 @@ def test_pipeline_estimate_is_the_fullest_rank():
     assert per_rank[0] < per_rank[3] < per_rank[-1]
     # 1 sequence per micro-batch and up to pp = 8 of them in flight vs 1 sequence: the same rows.
     assert piped["gib"]["logits_and_loss"] == flat["gib"]["logits_and_loss"]
+
+
+def test_the_estimate_splits_stages_as_the_trainer_does():
+    """By cost (stats.stage_unit_costs): the debug model's head and MTP leave one block on the
+    last of 2 stages, where the even split leaves two."""
+    args = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 64, "local_batch_size": 2,
+            "ac": "none", "device_type": "cpu", "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}
+    by_cost = estimate(**args)["gib_per_pp_rank"]
+    assert by_cost == estimate(**args, pp_layout="Et*5|tL")["gib_per_pp_rank"]
+    assert by_cost != estimate(**args, pp_layout="Et*4|t*2L")["gib_per_pp_rank"]
+
+
+def _held_params(args, specs, rank_specs, embed_replica):
+    """Elements of the parameters a pp rank holds, counted on the real (meta) module."""
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    layers = {str(i) for s in rank_specs for i in s.layers}
+    last = any(s.last for s in rank_specs)
+    n = sum(p.numel() for i, block in model.layers.items() if i in layers for p in block.parameters())
+    if any(s.first for s in rank_specs) or (last and embed_replica):
+        n += model.embed.weight.numel()
+    if last:
+        n += sum(p.numel() for m in (model.norm, model.head, model.mtp) for p in m.parameters())
+    return n
+
+
+@pytest.mark.parametrize("mixed_precision", ["bfloat16", "float32"])
+def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
+    """InterleavedZeroBubble against Interleaved1F1B on the same pp 2 x FSDP 2 layout and split:
+    every rank adds its stages' unsharded parameters (compute dtype) and fp32 gradient
+    accumulators, and drops the all-gathered blocks of the FSDP buffers (they are part of it), keeping
+    one block's fp32 reduce-scatter buffer."""
+    from models.deepseek_v3.stats import stage_unit_costs
+    from trainer.config.pipeline_layout import PipelineCosts, rank_stages, split_stages, stage_ranks
+    from trainer.memory import ACT_BYTES, _block_params
+
+    layout = {"flavor": "debugmodel", "dp_shard": 2, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 8,
+              "ac": "none", "device_type": "cpu", "mixed_precision": mixed_precision, "pp": 2,
+              "pp_stages_per_rank": 2, "pp_microbatches": 2}
+    zb = estimate(**layout, pp_schedule="InterleavedZeroBubble")
+    base = estimate(**layout, pp_schedule="Interleaved1F1B")
+    assert base["gib"]["zero_bubble_unsharded_params"] == base["gib"]["zero_bubble_grad_accumulators"] == 0
+
+    args = get_flavor("debugmodel")
+    specs = split_stages(6, 1, 4, costs=PipelineCosts(**stage_unit_costs(args, 256)),
+                         ranks=stage_ranks("Interleaved1F1B", 2, 4))
+    moe_block = sum(_block_params(args, moe=True).values())  # the biggest block: its FSDP buffers
+    compute = ACT_BYTES[mixed_precision]
+    for rank in range(2):
+        held = _held_params(args, specs, rank_stages(specs, "InterleavedZeroBubble", 2, rank), embed_replica=True)
+        extra = held * (compute + 4) - moe_block * 2 * compute  # all unsharded, two gathered blocks fewer
+        assert zb["gib_per_pp_rank"][rank] - base["gib_per_pp_rank"][rank] == pytest.approx(extra / GiB), rank
+    last = zb["gib"]  # the fullest rank: the last stage's, with the head and MTP
+    held = _held_params(args, specs, rank_stages(specs, "InterleavedZeroBubble", 2, 1), embed_replica=True)
+    assert last["zero_bubble_unsharded_params"] == pytest.approx(held * compute / GiB)
+    assert last["zero_bubble_grad_accumulators"] == pytest.approx(held * 4 / GiB)
+    assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
+    # Without sharding nothing is gathered, and a zero-bubble schedule costs what Interleaved1F1B does.
+    unsharded = {**layout, "dp_shard": 1}
+    assert (estimate(**unsharded, pp_schedule="InterleavedZeroBubble")["gib_per_pp_rank"]
+            == estimate(**unsharded, pp_schedule="Interleaved1F1B")["gib_per_pp_rank"])

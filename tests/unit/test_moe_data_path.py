@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from models.deepseek_v3 import DeepSeekV3ModelArgs
 import models.moe.dispatcher as dispatcher_module
+from models.deepseek_v3 import DeepSeekV3ModelArgs
 from models.moe import MoE
 from models.moe.permutation import permute, sort_by_expert, unpermute
 from trainer.diagnostics import HostReadCounter

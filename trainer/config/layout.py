@@ -22,6 +22,7 @@ from trainer.config.pipeline_layout import (
     split_stages,
 )
 
+
 class LayoutError(ConfigError):
     """Degrees that do not fit the world size or the model (found before any process-group work)."""
 

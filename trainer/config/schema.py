@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import tomli_w
 
-from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.combinations import combination_problems, combination_warnings
+from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.layout import degree_problems
 from trainer.config.pipeline_layout import PPSchedule
 

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-
 # CUDA runtime / driver calls that start device work, and those that block the host on the device.
 _LAUNCH_EVENTS = frozenset({
     "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
-
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from models.moe import MoE

@@ -25,10 +25,10 @@ from torch import nn
 
 from models.engram import NgramHasher, engram_table_params
 from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
+from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES, StageSpec
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.compile import compiled_cross_entropy_sum
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES, StageSpec
 from trainer.parallel.context_parallel import ContextParallel, apply_context_parallel
 from trainer.parallel.engram_parallel import (
     apply_engram_parallel,

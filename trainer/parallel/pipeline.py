@@ -10,9 +10,9 @@ checkpoint reshards across pp degrees and schedules. `parallelize_stage` then ru
 inside one stage), and wraps each stage in a `StageModule` before FSDP, which makes every stage
 module the root of its blocks' units.
 
-The split weighs each block, the embedding, the head (with its vocabulary) and each MTP module at
-their training FLOPs (`models.deepseek_v3.stage_unit_costs`), so the stage holding the head, the
-loss and MTP takes fewer blocks; `parallelism.pp_layout` overrides it.
+The split weighs each block, the embedding, the head (with its vocabulary and the loss) and each
+MTP module at their training FLOPs (`models.deepseek_v3.stats.stage_unit_costs`), so the stage
+holding the head, the loss and MTP takes fewer blocks; `parallelism.pp_layout` overrides it.
 
 Between stages flow the residual stream and the running sum of the MoE balance losses, so the loss
 on the last stage holds every stage's balance term and its gradient reaches every stage through the
@@ -28,7 +28,15 @@ import logging
 
 from torch import nn
 
-from trainer.config.pipeline_layout import StageSpec, rank_stages, split_stages
+from models.deepseek_v3.stats import stage_unit_costs
+from trainer.config.pipeline_layout import (
+    PipelineCosts,
+    StageSpec,
+    describe_split,
+    rank_stages,
+    split_stages,
+    stage_ranks,
+)
 from trainer.parallel.parallel_dims import ParallelDims
 
 __all__ = ["StageModule", "apply_pipeline"]
@@ -40,7 +48,10 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, seq_len: int) -> list[S
     """Splits ``model`` in place (before any other parallelism) to the stages this pp rank runs,
     and returns them in the order the rank holds them. Logs every stage's share of the work."""
     args = model.args
-    specs = split_stages(args.n_layers, args.mtp_depth, dims.pp_stages, dims.pp_layout)
+    costs = PipelineCosts(**stage_unit_costs(args, seq_len))
+    ranks = stage_ranks(dims.pp_schedule, dims.pp, dims.pp_stages)
+    specs = split_stages(args.n_layers, args.mtp_depth, dims.pp_stages, dims.pp_layout, costs, ranks)
+    logger.info("pipeline %s, training FLOPs per token: %s", dims.pp_schedule, describe_split(specs, costs, ranks))
     mine = rank_stages(specs, dims.pp_schedule, dims.pp, dims.mesh("pp").get_local_rank())
     _split_model(model, mine)
     return mine
