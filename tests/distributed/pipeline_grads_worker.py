@@ -1,6 +1,6 @@
 """Worker of tests/distributed/test_pipeline_grads.py: every gradient after one pipelined training
-step (forward and backward only), compared on each rank with one process computing the same
-step on the whole batch.
+step (forward, backward and the step's gradient finishing, no clip and no optimizer step),
+compared on each rank with one process computing the same step on the whole batch.
 
 The model is a small DeepSeek-V3 (4 blocks, the first dense, MoE with the sequence-wise balance
 loss, MTP depth 1), fp32, on the trainer's own path: `parallelize_model` (pipeline split, FSDP,
@@ -119,10 +119,14 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
     objective = partial(_objective, n_valid=n_valid, n_valid_mtp=n_mtp)
     with step.loss_context():
         step.forward_backward(micro, objective, contextlib.nullcontext)
+    # What the step owes the gradients before the optimizer (the embedding replica's sum); no clip.
+    step.finish_grads([p for p in model.parameters() if p.grad is not None], 0.0)
     return model, refused
 
 
-def run(rank: int, world: int, port: int, layout: dict, queue) -> None:
+def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
+    """Each case (`_pipelined`'s keyword arguments) in turn on the same process group; puts one
+    result per case and rank."""
     from torch.distributed.tensor import DTensor
 
     from trainer.diagnostics import init_local_gloo
@@ -132,16 +136,17 @@ def run(rank: int, world: int, port: int, layout: dict, queue) -> None:
     init_local_gloo(rank, world, port)
     try:
         reference = _reference_grads()
-        model, refused = _pipelined(**layout)
-        worst, missing = 0.0, []
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                missing.append(name)
-                continue
-            got = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-            want = reference[name]
-            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
-        queue.put({"rank": rank, "max_rel": worst, "missing": missing, "refused": refused,
-                   "params": sum(1 for _ in model.parameters())})
+        for case in cases:
+            model, refused = _pipelined(**case)
+            worst, missing = 0.0, []
+            for name, param in model.named_parameters():
+                if param.grad is None:
+                    missing.append(name)
+                    continue
+                got = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                want = reference[name]
+                worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+            queue.put({"case": case, "rank": rank, "max_rel": worst, "missing": missing, "refused": refused,
+                       "params": sum(1 for _ in model.parameters())})
     finally:
         dist.destroy_process_group()

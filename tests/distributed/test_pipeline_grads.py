@@ -1,13 +1,15 @@
 """Every gradient of one pipelined training step equals one process's (gloo, CPU, fp32), and the
 zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
 
-- Fast tier: pp 2 with DualPipeV (stages 0 and 3 on rank 0, which shares its embedding with MTP)
-  on 2 ranks, no data parallelism: the pipeline runtime in the fast tier.
-- pp 2 x FSDP 2 with DualPipeV on 4 ranks: the stage modules are FSDP roots with
-  ``reshard_after_forward=False`` inside, and every gradient is reduced once, after the weight pass.
-- The negative control: the same pipeline with every unit resharding after forward gives wrong or
-  missing gradients (torch 2.13), and the step builder refuses it. When torch fixes this the
-  control fails, and the guard can go.
+- Fast tier, one 2-rank launch: pp 2 with every schedule torch ships (the pipeline runtime of
+  each, including the V schedules, whose rank 0 shares its embedding with MTP on the last stage,
+  and the looped ones with four stages).
+- pp 2 x FSDP 2 on 4 ranks with DualPipeV, ZBVZeroBubble and InterleavedZeroBubble: the stage
+  modules are FSDP roots with ``reshard_after_forward=False`` inside, and every gradient is reduced
+  once, after the weight pass.
+- The negative control, in the same launch: the same pipeline with the blocks' units resharding
+  after forward gives wrong or missing gradients (torch 2.13), and the step builder refuses it.
+  When torch fixes this the control fails, and the guard can go.
 
 Bound: rel 1e-5 of each tensor's largest gradient (sharding and splitting only reorder fp32 sums).
 """
@@ -17,33 +19,52 @@ from __future__ import annotations
 import pipeline_grads_worker
 import pytest
 
+from trainer.config.pipeline_layout import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from trainer.diagnostics import spawn_local
 
 REL = 1e-5
 
 
-def _run(world: int, **layout) -> list[dict]:
-    return sorted(spawn_local(pipeline_grads_worker.run, world, layout, timeout=300), key=lambda r: r["rank"])
+def _run(world: int, cases: list[dict]) -> dict[tuple, list[dict]]:
+    """Results by (schedule, negative_control), each a list over the ranks."""
+    results = spawn_local(pipeline_grads_worker.run, world, cases, results=world * len(cases), timeout=600)
+    by_case: dict[tuple, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["rank"]):
+        by_case.setdefault((r["case"]["schedule"], r["case"]["negative_control"]), []).append(r)
+    return by_case
 
 
-def test_dualpipev_gradients_match_one_process():
-    ranks = _run(2, schedule="DualPipeV", pp=2, dp_shard=1, ep=1, negative_control=False)
+def _assert_matches(ranks: list[dict]) -> None:
+    assert ranks
     for r in ranks:
         assert r["params"] > 0 and not r["missing"], r
         assert r["max_rel"] <= REL, r
 
 
-@pytest.mark.slow
-def test_dualpipev_under_fsdp_gradients_match_one_process():
-    ranks = _run(4, schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=False)
-    for r in ranks:
-        assert r["params"] > 0 and not r["missing"], r
-        assert r["max_rel"] <= REL, r
+def test_every_schedule_matches_one_process():
+    cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False) for s in PP_SCHEDULES]
+    results = _run(2, cases)
+    for schedule in PP_SCHEDULES:
+        _assert_matches(results[schedule, False])
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    cases = [dict(schedule=s, pp=2, dp_shard=2, ep=1, negative_control=False) for s in ZERO_BUBBLE_SCHEDULES]
+    cases.append(dict(schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=True))
+    return _run(4, cases)
 
 
 @pytest.mark.slow
-def test_resharding_after_forward_is_wrong_and_refused():
-    ranks = _run(4, schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=True)
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
+def test_zero_bubble_under_fsdp_matches_one_process(fsdp_results, schedule):
+    _assert_matches(fsdp_results[schedule, False])
+
+
+@pytest.mark.slow
+def test_resharding_after_forward_is_wrong_and_refused(fsdp_results):
+    ranks = fsdp_results["DualPipeV", True]
+    assert len(ranks) == 4
     assert any(r["missing"] or r["max_rel"] > 1e-3 for r in ranks), ranks
     for r in ranks:
         assert r["refused"] and "reshard after forward" in r["refused"], r
