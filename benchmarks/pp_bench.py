@@ -19,8 +19,9 @@ so waiting for a neighbour's activations or gradients, the transfers and FSDP's 
 as bubble. Both are summed over the runs after the warm-up steps. The stage balance is each pipeline
 rank's share of the stage compute (of data rank 0's pipeline); a perfect split gives 1 / pp each.
 A schedule that fails is reported in its row and the others still run. Then the memory estimate
-(trainer/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs. Prints markdown tables and one JSON
-line.
+(trainer/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs: DeepSeek's pp 16 x ep 64 layout under
+DualPipeV, 1F1B and Interleaved1F1B, and the best layout without pipelining. Prints markdown tables
+and one JSON line.
 """
 
 from __future__ import annotations
@@ -143,16 +144,20 @@ def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
 
 
 def memory_rows(gpus: int) -> list[dict]:
+    """DeepSeek's layout (pp 16 x ep 64, data parallel over the rest) under DualPipeV, 1F1B and
+    Interleaved1F1B, and the best layout without pipelining, on ``gpus`` GPUs: 32 one-sequence
+    micro-batches per pipeline run (what DualPipeV's 32 stages need)."""
     from trainer.memory import estimate
 
     common = dict(flavor="671B", tp=1, cp=1, seq_len=4096, ac="full")
+    pipelined = dict(dp_shard=gpus // 16, ep=64, local_batch_size=32, pp=16, pp_microbatches=32)
     layouts = [
         ("no PP: FSDP over all GPUs, EP 64", dict(dp_shard=gpus, ep=64, local_batch_size=1)),
-        (
-            "PP 8 (Interleaved1F1B, 2 stages/rank) x FSDP, EP 32",
-            dict(dp_shard=gpus // 8, ep=32, local_batch_size=8, pp=8, pp_schedule="Interleaved1F1B",
-                 pp_stages_per_rank=2, pp_microbatches=8),
-        ),
+        ("PP 16 (1F1B) x FSDP, EP 64", dict(**pipelined, pp_schedule="1F1B")),
+        ("PP 16 (Interleaved1F1B, 2 stages/rank) x FSDP, EP 64",
+         dict(**pipelined, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)),
+        ("PP 16 (DualPipeV, 2 stages/rank) x FSDP, EP 64",
+         dict(**pipelined, pp_schedule="DualPipeV", pp_stages_per_rank=2)),
     ]
     rows = []
     for name, kw in layouts:
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="pp_microbatches (at least the schedule's fewest; -1: the fewest)")
     p.add_argument("--split", choices=("cost", "even"), default="cost",
                    help="stage split: by estimated cost (the trainer's) or the even split of layer equivalents")
-    p.add_argument("--gpus", type=int, default=512, help="GPUs of the 671B memory comparison")
+    p.add_argument("--gpus", type=int, default=2048, help="GPUs of the 671B memory comparison (a multiple of 16)")
     args = p.parse_args(argv)
 
     results = {"pp": args.pp, "dp_shard": args.dp_shard, "seq_len": args.seq_len, "batch": args.batch,
@@ -199,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['step_s']:.3f} | {bubble} | {share} |")
     rows = memory_rows(args.gpus)
     results["memory_671b"] = rows
-    print(f"\n671B on {args.gpus} GPUs, seq_len 4096, AC full, global batch {args.gpus} sequences (estimate, GiB/GPU):\n")
-    print("| layout | params/GPU (B) | params+grads+Adam | activations (blocks) | logits+loss | peak |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n671B on {args.gpus} GPUs, seq_len 4096, AC full (estimate, GiB/GPU, the fullest pp rank):\n")
+    print("| layout | params/GPU (B) | params+grads+Adam | stage grad accum. + unsharded | activations (blocks) | "
+          "logits+loss | peak |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         states = r["params"] + r["grads"] + r["optimizer"]
-        print(f"| {r['layout']} | {r['params_per_gpu_B']:.3f} | {states:.1f} | {r['layers']:.1f} | "
+        stages = r["stage_grad_accumulators"] + r["stage_unsharded_params"]
+        print(f"| {r['layout']} | {r['params_per_gpu_B']:.3f} | {states:.1f} | {stages:.1f} | {r['layers']:.1f} | "
               f"{r['logits_and_loss']:.1f} | {r['total']:.1f} |")
     print(json.dumps(results))
     return 0

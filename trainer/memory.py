@@ -15,14 +15,14 @@ during backward while the saved activations are released, so the total holds par
 optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
 (activations + logits + FSDP buffers + bf16 weight copies + the attention mask).
 
-Zero-bubble schedules under FSDP (``ZERO_BUBBLE_SCHEDULES``, ``dp_shard x cp > 1``): every FSDP
-unit of a rank's stages keeps its parameters unsharded after forward (``reshard_after_forward=False``,
-the condition of their split backward) and accumulates unsharded fp32 gradients until the
-schedule's ``REDUCE_GRAD`` at the end of the step, so all the rank's stages hold their unsharded
-parameters in the compute dtype and fp32 unsharded gradient accumulators through the step (ZeRO-2
-within a step). They replace the all-gathered blocks of the FSDP buffers; one block's fp32
-reduce-scatter buffer stays. They are counted outside the forward / backward maximum, next to the
-sharded gradients that ``REDUCE_GRAD`` writes while the last accumulators are still held.
+Pipeline stages under FSDP (``pp > 1``, ``dp_shard x cp > 1``): torch's schedules reduce a stage's
+gradients once per step (its ``REDUCE_GRAD``), so every unit of the rank's stages accumulates
+unsharded fp32 gradients through the step. The zero-bubble schedules (``ZERO_BUBBLE_SCHEDULES``)
+also keep the parameters unsharded after forward (``reshard_after_forward=False``, the condition of
+their split backward), in the compute dtype: ZeRO-2 within a step. Those parameters replace the
+all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer stays. Both are
+counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
+writes while the last accumulators are still held.
 
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
@@ -197,7 +197,8 @@ def estimate(
         first, last = any(s.first for s in mine), any(s.last for s in mine)
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // pp_microbatches, in_flight, zero_bubble=pp_schedule in ZERO_BUBBLE_SCHEDULES, **share,
+            local_batch_size // pp_microbatches, in_flight, pipelined=True,
+            zero_bubble=pp_schedule in ZERO_BUBBLE_SCHEDULES, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, pp_microbatches=pp_microbatches)
@@ -210,11 +211,12 @@ def estimate(
 def _estimate_share(
     a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: int, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
-    block_causal_sdpa: bool, optimizer: str, state_dtype: str, zero_bubble: bool = False,
+    block_causal_sdpa: bool, optimizer: str, state_dtype: str, pipelined: bool = False, zero_bubble: bool = False,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
-    ``zero_bubble``: its stages run a zero-bubble schedule (unsharded through the step under FSDP)."""
+    ``pipelined``: they are pipeline stages (fp32 gradient accumulators through the step under FSDP);
+    ``zero_bubble``: of a zero-bubble schedule (their parameters unsharded through the step too)."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -239,10 +241,10 @@ def _estimate_share(
         muon_local += len(blocks) * _replicated_matrices(a) / fsdp
     states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
 
-    # Zero-bubble stages under FSDP: everything this rank holds, gathered over the FSDP ranks
-    # (still split over tp and ep), in the compute dtype and as fp32 gradient accumulators.
-    unsharded_stages = zero_bubble and fsdp > 1
-    stage_params = split / tp + repl + experts / ep if unsharded_stages else 0.0
+    # Pipeline stages under FSDP: everything this rank holds, gathered over the FSDP ranks (still
+    # split over tp and ep), as fp32 gradient accumulators and, zero-bubble, in the compute dtype.
+    stage_params = split / tp + repl + experts / ep if pipelined and fsdp > 1 else 0.0
+    unsharded_stages = zero_bubble and stage_params > 0
     # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
     # param dtype (already in stage_params when the stages stay unsharded), and the block being
     # reduced holds its fp32 unsharded gradient. Without sharding (one data rank) there is no
@@ -287,15 +289,15 @@ def _estimate_share(
         "params_per_gpu_B": local / 1e9,
         "gib": {
             **states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations,
-            "zero_bubble_unsharded_params": stage_params * act_bytes / GiB,
-            "zero_bubble_grad_accumulators": stage_params * 4 / GiB,
+            "stage_unsharded_params": stage_params * act_bytes / GiB if unsharded_stages else 0.0,
+            "stage_grad_accumulators": stage_params * 4 / GiB,
             "bf16_weight_copies": copies / GiB, "allocator_rounding": rounding / GiB,
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
     }
     g = result["gib"]
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
-    held = g["params"] + g["optimizer"] + g["zero_bubble_unsharded_params"] + g["zero_bubble_grad_accumulators"]
+    held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
     g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + max(
         g["grads"] + g["backward_temporaries"], forward + g["attention_mask"]
     )
@@ -343,7 +345,7 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
     if available is not None and need * GiB > available:
         g = est["gib"]
         biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads",
-                       "zero_bubble_unsharded_params", "zero_bubble_grad_accumulators"), key=g.get)
+                       "stage_unsharded_params", "stage_grad_accumulators"), key=g.get)
         raise ConfigError(
             f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
             f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "
