@@ -66,10 +66,12 @@ def combination_problems(cfg: Any) -> list[str]:
         )
     p = cfg.parallelism
     if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        # docs/compile.md, "Zero-bubble schedules": measured wrong or failing, and no faster.
         problems.append(
-            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, which "
-            "torch.distributed.pipelining refuses for compiled stages; use --parallelism.pp_schedule Interleaved1F1B "
-            "(or 1F1B) with --training.compile, or drop --training.compile."
+            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, and a "
+            "compiled block is one autograd node whose whole backward the weight pass would run again (inductor "
+            "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
+            "drop --training.compile."
         )
     return problems
 
