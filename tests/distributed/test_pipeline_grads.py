@@ -4,9 +4,10 @@ zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
 - Fast tier, one 2-rank launch: pp 2 with every schedule torch ships (the pipeline runtime of
   each, including the V schedules, whose rank 0 shares its embedding with MTP on the last stage,
   and the looped ones with four stages).
-- pp 2 x FSDP 2 on 4 ranks with DualPipeV, ZBVZeroBubble and InterleavedZeroBubble: the stage
-  modules are FSDP roots with ``reshard_after_forward=False`` inside, and every gradient is reduced
-  once, after the weight pass.
+- pp 2 x FSDP 2 on 4 ranks with DualPipeV, ZBVZeroBubble and InterleavedZeroBubble, and the V
+  schedules with EP 2 too: the stage modules are FSDP roots with ``reshard_after_forward=False``
+  inside, and every gradient (the routed experts' second parameter group on "efsdp" included) is
+  reduced once, after the weight pass.
 - The negative control, in the same launch: the same pipeline with the blocks' units resharding
   after forward gives wrong or missing gradients (torch 2.13), and the step builder refuses it.
   When torch fixes this the control fails, and the guard can go.
@@ -23,14 +24,17 @@ from trainer.config.pipeline_layout import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from trainer.diagnostics import spawn_local
 
 REL = 1e-5
+# (schedule, ep) under pp 2 x FSDP 2.
+FSDP_CASES = [(s, 1) for s in ZERO_BUBBLE_SCHEDULES] + [("DualPipeV", 2), ("ZBVZeroBubble", 2)]
 
 
 def _run(world: int, cases: list[dict]) -> dict[tuple, list[dict]]:
-    """Results by (schedule, negative_control), each a list over the ranks."""
+    """Results by (schedule, ep, negative_control), each a list over the ranks."""
     results = spawn_local(pipeline_grads_worker.run, world, cases, results=world * len(cases), timeout=600)
     by_case: dict[tuple, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["rank"]):
-        by_case.setdefault((r["case"]["schedule"], r["case"]["negative_control"]), []).append(r)
+        case = r["case"]
+        by_case.setdefault((case["schedule"], case["ep"], case["negative_control"]), []).append(r)
     return by_case
 
 
@@ -45,25 +49,25 @@ def test_every_schedule_matches_one_process():
     cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False) for s in PP_SCHEDULES]
     results = _run(2, cases)
     for schedule in PP_SCHEDULES:
-        _assert_matches(results[schedule, False])
+        _assert_matches(results[schedule, 1, False])
 
 
 @pytest.fixture(scope="module")
 def fsdp_results():
-    cases = [dict(schedule=s, pp=2, dp_shard=2, ep=1, negative_control=False) for s in ZERO_BUBBLE_SCHEDULES]
+    cases = [dict(schedule=s, pp=2, dp_shard=2, ep=ep, negative_control=False) for s, ep in FSDP_CASES]
     cases.append(dict(schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=True))
     return _run(4, cases)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
-def test_zero_bubble_under_fsdp_matches_one_process(fsdp_results, schedule):
-    _assert_matches(fsdp_results[schedule, False])
+@pytest.mark.parametrize("schedule, ep", FSDP_CASES)
+def test_zero_bubble_under_fsdp_matches_one_process(fsdp_results, schedule, ep):
+    _assert_matches(fsdp_results[schedule, ep, False])
 
 
 @pytest.mark.slow
 def test_resharding_after_forward_is_wrong_and_refused(fsdp_results):
-    ranks = fsdp_results["DualPipeV", True]
+    ranks = fsdp_results["DualPipeV", 1, True]
     assert len(ranks) == 4
     assert any(r["missing"] or r["max_rel"] > 1e-3 for r in ranks), ranks
     for r in ranks:

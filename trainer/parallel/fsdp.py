@@ -3,7 +3,8 @@
 Wrapping (``apply_fsdp``): each transformer block (and MTP block) is one FSDP unit; with expert
 parallelism the routed experts of a block are sharded on the expert mesh ("efsdp", or "ehsdp"
 with replication), everything else on "fsdp" ("hsdp" with replication); the root (embedding,
-final norm, head) is the last unit. Where FSDP2 takes a mesh per parameter (torch >= 2.13) the
+final norm, head) is the last unit: the model, or under pipeline parallelism each stage module,
+whose gradients torch's schedules then reduce once per step (`apply_fsdp`). Where FSDP2 takes a mesh per parameter (torch >= 2.13) the
 experts stay in their block's unit as a second parameter group: a unit of their own would put
 FSDP's hooks, which dynamo does not trace, at the experts' call inside the compiled MoE block
 and split it there (docs/compile.md). Older torch gets that unit of its own. Gradients are

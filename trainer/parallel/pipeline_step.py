@@ -161,8 +161,10 @@ class PipelineStep(ParallelStep):
                 stages[0] if single else stages, n_microbatches=d.pp_microbatches,
                 loss_fn=_train_loss if train else _eval_loss, scale_grads=False,
             )
-            if not single:
-                _check_shared_params_reduced_last(schedule, self.stages)
+            if not single and isinstance(self.stages[0], FSDPModule):
+                check_shared_params_reduced_last(
+                    schedule.pipeline_order_with_comms[schedule.rank], self.stages, d.pp_schedule
+                )
             if not train and d.pp_schedule in ZERO_BUBBLE_SCHEDULES:
                 _forward_only(schedule, d.pp_microbatches)
             self._schedules[train] = schedule
@@ -290,33 +292,35 @@ def check_zero_bubble_stages(stages: list[nn.Module], schedule: str) -> None:
             )
 
 
-def _check_shared_params_reduced_last(schedule, stages: list[StageModule]) -> None:
+def check_shared_params_reduced_last(order: list[_Action], stages: list[nn.Module], schedule: str) -> None:
     """A parameter two local FSDP stages use (the embedding under a V schedule with MTP) is
-    reduced at its owning stage's ``REDUCE_GRAD`` (`apply_fsdp`): every action of the other
-    stage must come before it."""
-    order = []
-    for action in schedule.pipeline_order_with_comms[schedule.rank]:
-        order += action.sub_actions if action.sub_actions else [action]
+    reduced at its owning stage's ``REDUCE_GRAD`` (the first of them: `apply_fsdp`): refuses a
+    rank's action ``order`` in which the other stage still computes after that."""
+    flat = []
+    for action in order:
+        flat += action.sub_actions if action.sub_actions else [action]
     for i, owner in enumerate(stages):
         for other in stages[i + 1 :]:
-            if not isinstance(owner, FSDPModule) or not set(owner.parameters()) & set(other.parameters()):
+            if not set(owner.parameters()) & set(other.parameters()):
                 continue
-            reduce = [j for j, a in enumerate(order) if a.stage_index == owner.spec.index
+            reduce = [j for j, a in enumerate(flat) if a.stage_index == owner.spec.index
                       and a.computation_type == _ComputationType.REDUCE_GRAD]
-            uses = [j for j, a in enumerate(order) if a.stage_index == other.spec.index]
+            uses = [j for j, a in enumerate(flat) if a.stage_index == other.spec.index]
             if reduce and uses and reduce[0] < uses[-1]:
                 raise ValueError(
                     f"pipeline stage {other.spec.index} uses parameters of stage {owner.spec.index} after "
-                    f"{type(schedule).__name__} reduced their gradients; use another parallelism.pp_schedule"
+                    f"{schedule} reduced their gradients; use another parallelism.pp_schedule"
                 )
 
 
 def _forward_only(schedule, n_microbatches: int) -> None:
-    """Gives a zero-bubble schedule a forward-only order for validation: torch's runtime runs
-    their backward actions even in ``eval()``. Each rank runs its stages in index order, every
-    micro-batch of one before the next (a breadth-first order, so no rank waits on itself),
-    lowered to FSDP unshards and to sends and receives by torch's own passes (private API, as of
-    torch 2.13; its public loader validates that every micro-batch has a backward)."""
+    """Gives a zero-bubble schedule a forward-only order for validation. torch has no public one:
+    its runtime runs the backward actions even in ``eval()``, and between the two stages of a rank
+    they fail ("can't steal_bwd_input if this stage doesn't have backward", torch 2.13). Each rank
+    runs its stages in index order, every micro-batch of one before the next (a breadth-first
+    order, so no rank waits on itself), lowered to FSDP unshards and to sends and receives by
+    torch's own passes (private API, as of torch 2.13; its public loader validates that every
+    micro-batch has a backward)."""
     ranks = schedule.stage_index_to_group_rank
     order = {
         rank: _add_unshard_reshard([
