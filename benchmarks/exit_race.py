@@ -5,7 +5,7 @@
 Launches `--runs` 4-rank torchrun jobs (`--parallel` at a time, so that the ranks compete for
 the cores as in CI) of a worker that sums tensors with functional collectives over a DeviceMesh
 sub-group, as DTensor and FSDP2 do, then destroys the process group. The worker leaves through
-`trainer.parallel.distributed.exit_process`, or with `--plain-exit` by the end of its script and
+`trainer.distributed.exit_process`, or with `--plain-exit` by the end of its script and
 the interpreter's teardown. Prints the jobs that failed and why ("terminate called without an active
 exception" is the abort `exit_process` exists for).
 """
@@ -45,7 +45,7 @@ for _ in range(20):
     del total
 dist.destroy_process_group()
 if sys.argv[1] == "exit_process":
-    from trainer.parallel.distributed import exit_process
+    from trainer.distributed import exit_process
 
     exit_process(0)
 """

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
 
 from models.engram import engram_modules
-from trainer.parallel.distributed import local_tensor
+from trainer.distributed import local_tensor
 from trainer.parallel.engram_parallel import local_rows, row_sharded, sharded_lookup
 
 

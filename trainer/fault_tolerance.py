@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from trainer.parallel.distributed import all_ranks_any, local_tensor
+from trainer.distributed import all_ranks_any, local_tensor
 
 logger = logging.getLogger("trainer")
 

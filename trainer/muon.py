@@ -30,14 +30,12 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 # torch >= 2.9 (this trainer needs 2.11): the Newton-Schulz kernel behind torch.optim.Muon.
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 from models.moe.experts import GroupedExperts
-from trainer.parallel.distributed import local_tensor
+from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -88,29 +86,6 @@ def orthogonalize(update: torch.Tensor, ns_steps: int, dtype: torch.dtype = torc
     for i in range(update.shape[0]):  # one matrix at a time: the same kernel as an unsharded run
         out[i] = newton_schulz(update[i], ns_steps, dtype)
     return out
-
-
-def holds_whole_matrices(p: torch.Tensor) -> bool:
-    """Whether this rank's part of `p` is made of whole matrices: a plain tensor, or an expert
-    stack sharded (EP, FSDP) on its expert dim 0 only."""
-    if not isinstance(p, DTensor):
-        return True
-    if p.ndim == 2:
-        return all(isinstance(pl, Replicate) for pl in p.placements)
-    return all(isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0)
-               for pl in p.placements)
-
-
-def full_from_local(local: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """The whole tensor of which `local` is this rank's part, laid out like `like`."""
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    ).full_tensor()
-
-
-def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's part of `full` in `like`'s layout (a local slice, no communication)."""
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 class MuonAdamW(torch.optim.Optimizer):

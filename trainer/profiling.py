@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.parallel.distributed import global_rank
+from trainer.distributed import global_rank
 
 logger = logging.getLogger("trainer")
 

@@ -18,8 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from models.common.attention import MLA
-from trainer.muon import local_part
-from trainer.parallel.distributed import local_tensor
+from trainer.distributed import local_part, local_tensor
 
 _WRAPPERS = ("._orig_mod", "._checkpoint_wrapped_module")  # compile and activation-checkpoint wrappers
 

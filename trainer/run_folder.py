@@ -7,7 +7,8 @@
   its checkpoints live in, and every rerun of the command continues it.
 
 Global rank 0 picks the name and every rank uses it (the caller passes how to share it), so the
-ranks of one job agree however far apart they started. Torch-free: the pre-launch check uses it.
+ranks of one job agree however far apart they started. Torch-free; the pre-launch check's test of
+the folder is trainer/config/dump_folder.py.
 """
 
 from __future__ import annotations
@@ -18,26 +19,11 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from trainer.config.dump_folder import FIX as _FIX
 from trainer.config.fields import ConfigError
 
 _T = TypeVar("_T")
 _RUN_NAME = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")
-
-
-_FIX = "pass --job.dump_folder a folder you can write to"
-
-
-def check_dump_folder(dump_folder: str | os.PathLike) -> None:
-    """Refuse a dump folder that cannot be created or written, without creating anything: its
-    nearest existing ancestor must be a writable folder."""
-    folder = Path(dump_folder).expanduser()
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be created: {existing} is a file; {_FIX}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"job.dump_folder = {str(dump_folder)!r} cannot be written: {existing} is read-only; {_FIX}")
 
 
 def _make_folder(path: Path, dump_folder: str, *, exist_ok: bool) -> None:

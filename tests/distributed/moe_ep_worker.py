@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from models.deepseek_v3 import DeepSeekV3ModelArgs
 from models.moe import MoE
 from trainer.diagnostics import HostReadCounter, init_local_gloo
-from trainer.parallel.distributed import local_tensor
+from trainer.distributed import local_tensor
 
 N_LAYERS, B, S = 2, 2, 16
 

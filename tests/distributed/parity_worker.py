@@ -169,7 +169,7 @@ def _worker(
 
         for layout in tp_cp_layouts:
             results[f"tp_cp/{layout}"] = tp_cp_parity.train_layout(layout)
-    from trainer.parallel.distributed import destroy_distributed
+    from trainer.distributed import destroy_distributed
 
     destroy_distributed()
     if rank == 0:

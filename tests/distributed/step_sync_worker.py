@@ -1,7 +1,7 @@
 """Worker of tests/distributed/test_step_sync_ep.py: the host reads of one expert-parallel training
 step on one of 2 gloo ranks (--parallelism.ep 2).
 
-Each rank runs `tests/unit/test_step_sync.py`'s profiled step (debug model, fp32, grouped mm) and
+Each rank runs the profiled step of tests/helpers.py (as tests/unit/test_step_sync.py) (debug model, fp32, grouped mm) and
 puts its counts on the queue.
 """
 
@@ -20,11 +20,11 @@ def run(rank: int, world: int, port: int, workdir: str, queue) -> None:
     )
     torch.set_num_threads(1)
     from models.moe import moe_modules
-    from tests.unit.test_step_sync import ATOMIC_OPS, _profiled_step, _trainer
+    from tests.helpers import ATOMIC_OPS, profiled_step, step_trainer
 
-    trainer = _trainer(Path(workdir), "--parallelism.ep", "2", "--training.device", "cpu")
+    trainer = step_trainer(Path(workdir), "--parallelism.ep", "2", "--training.device", "cpu")
     try:
-        stats, reads, ops = _profiled_step(trainer)
+        stats, reads, ops = profiled_step(trainer)
         queue.put({
             "rank": rank,
             "loss": stats["loss"],

@@ -1,5 +1,5 @@
 """The local gloo launcher (`spawn_local`, trainer/diagnostics/launch.py) and the collective helpers of
-trainer/parallel/distributed.py."""
+trainer/distributed.py."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer.diagnostics import init_local_gloo, spawn_local
-from trainer.parallel.distributed import all_ranks_any, all_reduce_sum, global_rank, global_world_size, is_distributed
+from trainer.distributed import all_ranks_any, all_reduce_sum, global_rank, global_world_size, is_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_exit_process_destroys_groups_runs_atexit_flushes_and_keeps_the_code(tmp
     script = "\n".join([
         "import atexit, sys, torch",
         "import torch.distributed as dist",
-        "from trainer.parallel.distributed import exit_process, init_one_process_group",
+        "from trainer.distributed import exit_process, init_one_process_group",
         "init_one_process_group(torch.device('cpu'))",
         f"atexit.register(lambda: open({str(marker)!r}, 'w').write(f'initialized={{dist.is_initialized()}}'))",
         "sys.stdout.write('unflushed line')",

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import flip_bytes
+from tests.helpers import flip_bytes
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.train import Trainer, main, run

@@ -72,7 +72,7 @@ def _two_process_runs(tmp: Path) -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.parallel.distributed import destroy_distributed
+    from trainer.distributed import destroy_distributed
     from trainer.train import Trainer
 
     torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs
+from tests.helpers import flip_bytes
 from trainer.checkpoint import (
     COMPLETE,
     CheckpointError,
@@ -196,14 +197,6 @@ def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch
     assert not (folder / "step-4.tmp").exists()
     for key, value in reference.items():
         assert torch.equal(value, b.model.state_dict()[key]), key
-
-
-def flip_bytes(path, count=4096):
-    """Inverts `count` bytes in the middle of `path`; its size stays the same."""
-    data = bytearray(path.read_bytes())
-    middle = (len(data) - count) // 2
-    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
-    path.write_bytes(bytes(data))
 
 
 def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog, monkeypatch):

@@ -5,7 +5,8 @@ be created is refused naming the key, before anything is written."""
 import pytest
 
 from trainer.config import ConfigError
-from trainer.run_folder import check_dump_folder, latest_run_folder, open_run_folder
+from trainer.config.dump_folder import check_dump_folder
+from trainer.run_folder import latest_run_folder, open_run_folder
 
 
 def test_fresh_runs_get_folders_of_their_own(tmp_path):

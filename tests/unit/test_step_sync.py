@@ -2,15 +2,14 @@
 combine uses no atomic scatter (index_add / index_put): both stall or serialise a GPU."""
 
 import ast
-import collections
 import inspect
 import re
 import textwrap
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from tests.helpers import ATOMIC_OPS, profiled_step, step_trainer
 from trainer.config import load_config
 from trainer.diagnostics import HostReadCounter
 from trainer.loss import IGNORE_INDEX
@@ -18,47 +17,13 @@ from trainer.parallel import ParallelDims, ParallelStep
 from trainer.train import Trainer
 
 LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}
-ATOMIC_OPS = ("aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_")
-
-
-def _trainer(tmp_path, *extra: str) -> Trainer:
-    cfg = load_config(
-        [
-            "--job.config_file", "train_configs/debug_model.toml",
-            "--job.dump_folder", str(tmp_path / "run"),
-            "--model.use_grouped_mm",
-            "--training.seq_len", "64",
-            "--training.local_batch_size", "2",
-            "--training.mixed_precision_param", "float32",
-            "--training.steps", "2",
-            "--no-validation.enable",
-            "--no-job.print_config",
-            *extra,
-        ]
-    )
-    return Trainer(cfg)
-
-
-def _profiled_step(trainer: Trainer):
-    """Profiles and counts the second step (the first creates the optimizer state)."""
-    trainer.step = 1
-    trainer.train_step(trainer.next_microbatches()[0])
-    trainer.step = 2
-    batches, _ = trainer.next_microbatches()
-    reads = HostReadCounter("cpu")
-    with profile(activities=[ProfilerActivity.CPU]) as prof, reads:
-        stats = trainer.train_step(batches)
-    ops = collections.Counter()
-    for event in prof.events():
-        ops[event.name] += 1
-    return stats, reads.counts, ops
 
 
 @pytest.fixture(scope="module")
 def local_step(tmp_path_factory):
-    trainer = _trainer(tmp_path_factory.mktemp("sync"))
+    trainer = step_trainer(tmp_path_factory.mktemp("sync"))
     try:
-        yield _profiled_step(trainer)
+        yield profiled_step(trainer)
     finally:
         trainer.close()
 

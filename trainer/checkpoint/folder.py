@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from models.deepseek_v3.hf_io import CONFIG_FILE, read_hf_config, read_hf_state_dict, rope_mismatches
 from trainer.checkpoint.integrity import ChecksumWriter, checksum_problems, record_checksums
-from trainer.parallel.distributed import is_distributed
+from trainer.distributed import is_distributed
 
 logger = logging.getLogger("trainer")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from trainer.parallel.distributed import all_gather_objects, global_rank, global_world_size
+from trainer.distributed import all_gather_objects, global_rank, global_world_size
 
 DIGEST_SUFFIX = ".sha256"
 _CHUNK = 8 << 20

@@ -79,9 +79,9 @@ from trainer.checkpoint.folder import (
     verify_checkpoint,
 )
 from trainer.checkpoint.integrity import ChecksumWriter
+from trainer.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 from trainer.fault_tolerance import TrainingDiverged, nonfinite_entries
 from trainer.optim import optimizer_signature
-from trainer.parallel.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 
 logger = logging.getLogger("trainer")
 # Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other

@@ -19,10 +19,10 @@ import sys
 from models.flavors.deepseek_v3 import flavor_fields
 from trainer.config.combinations import LOCAL_FORMATS
 from trainer.config.data_files import resolve_local_files
+from trainer.config.dump_folder import check_dump_folder
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
-from trainer.run_folder import check_dump_folder
 
 USAGE = "usage: python -m trainer.config.check --world-size N [--free-port ADDR:PORT] [--section.key VALUE ...]"
 

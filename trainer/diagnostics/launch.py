@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.parallel.distributed import exit_process
+from trainer.distributed import exit_process
 
 
 def free_port() -> int:

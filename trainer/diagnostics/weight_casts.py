@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.parallel.distributed import local_tensor
+from trainer.distributed import local_tensor
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 

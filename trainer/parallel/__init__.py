@@ -3,7 +3,7 @@
 The trainer uses only these entry points; the ``apply_*`` modules behind them are details.
 """
 
-from trainer.parallel.distributed import (
+from trainer.distributed import (
     destroy_distributed,
     exit_process,
     from_rank0,

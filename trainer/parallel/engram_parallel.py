@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.engram import EngramLookup, EngramTable, LocalEngramLookup, engram_modules, engram_table_params
-from trainer.parallel.distributed import all_reduce_sum
+from trainer.distributed import all_reduce_sum
 
 
 def _as_group(mesh_or_group) -> dist.ProcessGroup:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard
 
 from models.moe import MoE
 from trainer.config.schema import ReshardPolicy
-from trainer.parallel.distributed import init_one_process_group
+from trainer.distributed import init_one_process_group
 
 try:  # A mesh per parameter (documented in fully_shard's shard_placement_fn); torch >= 2.13.
     from torch.distributed.fsdp._fully_shard._fsdp_common import (

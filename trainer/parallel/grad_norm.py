@@ -28,10 +28,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
-from trainer.parallel.distributed import all_reduce_sum, local_tensor
+from trainer.distributed import all_reduce_sum, is_shard, local_tensor
 
 
 def _shard_groups(param: torch.Tensor) -> tuple:
@@ -40,8 +39,7 @@ def _shard_groups(param: torch.Tensor) -> tuple:
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         for dim, placement in enumerate(param.placements):
-            # FSDP over a TP- or EP-sharded dim uses _StridedShard, which is not a Shard subclass.
-            if isinstance(placement, (Shard, _StridedShard)) and mesh.size(dim) > 1:
+            if is_shard(placement) and mesh.size(dim) > 1:
                 groups.append(mesh.get_group(dim))
     return tuple(groups)
 

@@ -41,8 +41,8 @@ from torch.distributed.pipelining.schedules import (
 
 from models.deepseek_v3.model import ModelOutput
 from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from trainer.distributed import all_reduce_sum, local_tensor
 from trainer.loss import count_valid, cross_entropy_sum
-from trainer.parallel.distributed import all_reduce_sum, local_tensor
 from trainer.parallel.fsdp import reshards_after_forward
 from trainer.parallel.grad_norm import clip_coefficient
 from trainer.parallel.parallel_dims import ParallelDims

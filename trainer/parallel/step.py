@@ -27,9 +27,9 @@ from torch import nn
 
 from models.deepseek_v3 import mtp_loss
 from models.engram import NgramHasher, engram_table_params
+from trainer.distributed import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, count_valid, cross_entropy_sum
 from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.distributed import all_reduce_sum
 from trainer.parallel.engram_parallel import reduce_table_grads, sharded_lookup
 from trainer.parallel.fsdp import set_reshard_after_backward
 from trainer.parallel.grad_norm import clip_grad_norm_

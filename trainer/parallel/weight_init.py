@@ -31,9 +31,10 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+
+from trainer.distributed import is_shard, shard_on
 
 # Module names that wrappers insert into parameter names (checkpoint_wrapper, torch.compile).
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -181,18 +182,12 @@ def _layout(param: torch.Tensor) -> tuple[tuple[int, ...], list[torch.Tensor]]:
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         for mesh_dim, placement in enumerate(param.placements):
-            if isinstance(placement, (Shard, _StridedShard)):  # not a Shard subclass in every torch
+            if is_shard(placement):
                 d = placement.dim
-                chunks, _ = _on_dim0(placement)._split_tensor(indices[d], mesh.size(mesh_dim), with_padding=False)
+                chunks, _ = shard_on(placement, 0)._split_tensor(indices[d], mesh.size(mesh_dim), with_padding=False)
                 coord = mesh.get_local_rank(mesh_dim)
                 indices[d] = chunks[coord] if coord < len(chunks) else indices[d][:0]
     return tuple(param.shape), indices
-
-
-def _on_dim0(placement: Shard | _StridedShard) -> Shard | _StridedShard:
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(0, split_factor=placement.split_factor)
-    return Shard(0)
 
 
 def _block_seed(key: tuple, block: int) -> int:

@@ -1,7 +1,10 @@
-"""Process-group setup/teardown, rank queries and the few reductions the training loop needs.
+"""The ground floor of distributed helpers: process-group setup and teardown, rank queries, the few
+reductions the training loop needs, and the DTensor helpers every floor above uses (a rank's part
+of a tensor, the whole tensor from it, which placements shard).
 
-Everything the trainer calls here is a no-op on one process, so it calls it unguarded. The local
-gloo launcher of the distributed tests and the benchmarks is trainer/diagnostics/launch.py.
+Everything the trainer calls here is a no-op on one process, so it calls it unguarded. Nothing here
+imports the rest of the trainer. The local gloo launcher of the distributed tests and the
+benchmarks is trainer/diagnostics/launch.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+# FSDP over a TP- or EP-sharded dim places a _StridedShard, which is not a Shard subclass in every
+# torch and has no public name: this module is the one place that knows it (`is_shard`, `shard_on`).
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def world_size_from_env() -> int:
@@ -140,3 +147,37 @@ def all_reduce_sum(tensor: torch.Tensor, mesh_or_group) -> torch.Tensor:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a plain tensor unchanged)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_from_local(local: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's part, laid out like ``like`` (a collective)."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    ).full_tensor()
+
+
+def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` in ``like``'s layout (a local slice, no communication)."""
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def is_shard(placement) -> bool:
+    """Whether a DTensor placement cuts a tensor dim (``Shard`` or FSDP's strided shard)."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def shard_on(placement, dim: int):
+    """A shard placement (`is_shard`) moved to tensor dim ``dim``, its stride kept."""
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
+
+
+def holds_whole_matrices(p: torch.Tensor) -> bool:
+    """Whether this rank's part of ``p`` is made of whole matrices: a plain tensor, a replicated
+    DTensor, or a stack of matrices (experts) sharded on its dim 0 only."""
+    if not isinstance(p, DTensor):
+        return True
+    if p.ndim == 2:
+        return all(isinstance(pl, Replicate) for pl in p.placements)
+    return all(isinstance(pl, Replicate) or (is_shard(pl) and pl.dim == 0) for pl in p.placements)
