@@ -20,6 +20,7 @@ from torch.optim.adamw import adamw as adamw_update
 from models.engram import engram_modules
 from trainer.distributed import local_tensor
 from trainer.parallel.engram_parallel import local_rows, row_sharded, sharded_lookup
+from trainer.step_hooks import StepHook
 
 
 class OffloadedAdam(torch.optim.Optimizer):
@@ -96,7 +97,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def step_group(self, optimizer: torch.optim.Optimizer) -> None:
         """Updates `optimizer`'s `"engram"` group here (state on the CPU), then drops those grads
-        so that `optimizer.step()` skips the group; `trainer.optim.optimizer_step` calls it."""
+        so that `optimizer.step()` skips the group; `EngramOffloadStep` calls it."""
         # Looked up at every step: `optimizer.load_state_dict` replaces the group dicts.
         (group,) = [g for g in optimizer.param_groups if g.get("engram")]
         target = self.param_groups[0]
@@ -124,17 +125,27 @@ def offload_engram_group(optimizer: torch.optim.Optimizer) -> OffloadedAdam:
     """Keep the Adam state of `optimizer`'s `"engram"` param group in CPU memory.
 
     The group stays in `optimizer` (LR schedule, `zero_grad`, grad clipping see it as before) but
-    owns no device state: `trainer.optim.optimizer_step` runs `OffloadedAdam.step_group` on it
-    first. The `OffloadedAdam` is returned and kept as `optimizer.engram_offloaded`
-    (`register_table_state_hooks` checkpoints it).
+    owns no device state: `EngramOffloadStep` runs `OffloadedAdam.step_group` on it before the
+    optimizer's own step. The `OffloadedAdam` is returned (`register_table_state_hooks` checkpoints it).
     Weight decay is decoupled (AdamW); with the default `engram.weight_decay = 0` it is plain Adam.
     """
     (group,) = [g for g in optimizer.param_groups if g.get("engram")]
     offloaded = OffloadedAdam(
         group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
     )
-    optimizer.engram_offloaded = offloaded
     return offloaded
+
+
+class EngramOffloadStep(StepHook):
+    """The step hook of `offload_engram_group`: the tables' CPU-resident Adam step, before the
+    optimizer steps the device groups (skipped with them on a non-finite step)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, offloaded: OffloadedAdam):
+        self.optimizer, self.offloaded = optimizer, offloaded
+
+    def before_optimizer(self, skip: bool) -> None:
+        if not skip:
+            self.offloaded.step_group(self.optimizer)
 
 
 class _TableOptimizerState:
@@ -148,7 +159,8 @@ class _TableOptimizerState:
     replaced by the checkpoint's views).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, offloaded: OffloadedAdam | None):
+        self.offloaded = offloaded
         self.tables = {id(m.table.weight): m.table for m in engram_modules(model)}
         lookup = sharded_lookup(model)
         self.mesh = lookup.mesh if lookup is not None else None
@@ -161,7 +173,7 @@ class _TableOptimizerState:
         return []
 
     def save(self, optimizer, state_dict):
-        offloaded = getattr(optimizer, "engram_offloaded", None)
+        offloaded = self.offloaded
         state = dict(state_dict["state"])
         for idx, p in self._entries(optimizer, state_dict):
             entry = state.get(idx)
@@ -184,7 +196,7 @@ class _TableOptimizerState:
         return value
 
     def load(self, optimizer, state_dict):
-        offloaded = getattr(optimizer, "engram_offloaded", None)
+        offloaded = self.offloaded
         state = dict(state_dict["state"])
         for idx, p in self._entries(optimizer, state_dict):
             entry = state.get(idx)
@@ -204,9 +216,11 @@ class _TableOptimizerState:
         return local_rows(value, self.tables[id(p)])
 
 
-def register_table_state_hooks(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def register_table_state_hooks(
+    optimizer: torch.optim.Optimizer, model: nn.Module, offloaded: OffloadedAdam | None = None
+) -> None:
     """Make `optimizer.state_dict()` / `load_state_dict()` carry the `"engram"` group's state
-    (CPU-resident or row-sharded) in checkpointable form; see `_TableOptimizerState`."""
-    hooks = _TableOptimizerState(model)
+    (CPU-resident in ``offloaded``, or row-sharded) in checkpointable form; see `_TableOptimizerState`."""
+    hooks = _TableOptimizerState(model, offloaded)
     optimizer.register_state_dict_post_hook(hooks.save)
     optimizer.register_load_state_dict_pre_hook(hooks.load)

@@ -192,3 +192,33 @@ def throughput_record(
     if peak_flops:
         record["mfu_pct"] = 100.0 * achieved / peak_flops
     return record
+
+
+class ThroughputWindow:
+    """The steps since the last logged one: their wall time and data wait, turned into the logged
+    throughput figures (tokens/s and TFLOP/s per device, MFU, step time, data-wait share)."""
+
+    def __init__(self, tokens_per_step: float, flops_per_token: float, peak_flops: float | None):
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.seconds, self.data_wait, self.steps = 0.0, 0.0, 0
+
+    def add(self, seconds: float, data_wait: float) -> None:
+        self.seconds += seconds
+        self.data_wait += data_wait
+        self.steps += 1
+
+    def record(self) -> dict:
+        """The window's figures; the window starts over."""
+        record = throughput_record(
+            tokens=self.tokens_per_step * self.steps, seconds=self.seconds, flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+        )
+        record["step_time_s"] = self.seconds / max(self.steps, 1)
+        record["data_wait_pct"] = 100.0 * self.data_wait / max(self.seconds, 1e-9)
+        self.seconds, self.data_wait, self.steps = 0.0, 0.0, 0
+        return record
+
+
+def is_log_step(step: int, last_step: int, log_freq: int, stopping: bool) -> bool:
+    """Logged: every ``log_freq``-th step, the first, the last, and the one a stop ends on."""
+    return step % log_freq == 0 or step in (1, last_step) or stopping

@@ -10,8 +10,9 @@ from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
 from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
-from trainer.engram_optim import offload_engram_group, register_table_state_hooks
+from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
 from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
+from trainer.step_hooks import StepHook
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -35,8 +36,9 @@ def _ns_dtype(setting: str, params: list[torch.Tensor]) -> torch.dtype:
     return STATE_DTYPES[setting]
 
 
-def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.Optimizer:
-    """The optimizer of the ``[optimizer]`` section.
+def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.optim.Optimizer, list[StepHook]]:
+    """The optimizer of the ``[optimizer]`` section, and the step hooks it needs (the Engram
+    tables' CPU-resident optimizer, `EngramOffloadStep`, when ``offload_optimizer_state`` is on).
 
     Matrices and embeddings decay; 1-D parameters (norm scales) do not, as in Megatron
     and nanoGPT: decaying a norm scale towards zero only fights the next layer.
@@ -90,11 +92,10 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> torch.optim.O
         optimizer = torch.optim.Adam(groups, **kwargs)
     else:
         raise ValueError(f"optimizer.name must be AdamW, Adam or muon, got {opt_cfg.name!r}")
-    if tables and engram_cfg.offload_optimizer_state:
-        offload_engram_group(optimizer)
+    offloaded = offload_engram_group(optimizer) if tables and engram_cfg.offload_optimizer_state else None
     if tables:
-        register_table_state_hooks(optimizer, model)
-    return optimizer
+        register_table_state_hooks(optimizer, model, offloaded)
+    return optimizer, [EngramOffloadStep(optimizer, offloaded)] if offloaded is not None else []
 
 
 def optimizer_signature(optimizer: torch.optim.Optimizer) -> str:
@@ -106,21 +107,12 @@ def optimizer_signature(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__}/float32"
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """One step of a `build_optimizer` optimizer: the Engram group whose state is offloaded to the
-    CPU (`engram.offload_optimizer_state`) first, then every device group."""
-    offloaded = getattr(optimizer, "engram_offloaded", None)
-    if offloaded is not None:
-        offloaded.step_group(optimizer)
-    optimizer.step()
-
-
-class ExpertBiasUpdater:
-    """The aux-loss-free bias update, called once per optimizer step, right before it.
+class ExpertBiasUpdater(StepHook):
+    """The aux-loss-free bias update, once per optimizer step, right before it.
 
     ``reduce_counts`` is where a parallel run sums the counts over data and context ranks.
     The update stays on the device; the load-imbalance statistics are read back only when
-    ``stats()`` is asked for (on logging steps).
+    ``metrics()`` is asked for (on logging steps).
     """
 
     def __init__(self, model: nn.Module, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -128,14 +120,16 @@ class ExpertBiasUpdater:
         self.reduce_counts = reduce_counts
         self._ratios: torch.Tensor | None = None
 
-    def step(self) -> None:
-        if self.modules:
+    def before_optimizer(self, skip: bool) -> None:
+        if skip:  # a non-finite step: its counts must not steer the next update
+            reset_expert_counts(self.modules)
+        elif self.modules:
             self._ratios = apply_expert_bias_update(self.modules, self.reduce_counts)
 
-    def skip(self) -> None:
-        """A skipped (non-finite) step: its counts must not steer the next update."""
-        reset_expert_counts(self.modules)
-
-    def stats(self) -> dict[str, float]:
-        """Load imbalance of the last update (one host read); empty before the first."""
-        return load_imbalance_stats(self._ratios)
+    def metrics(self) -> dict[str, float]:
+        """max/mean expert load of the last update, averaged over MoE layers, and the worst
+        layer's (one host read); empty before the first."""
+        stats = load_imbalance_stats(self._ratios)
+        if not stats:
+            return {}
+        return {"moe_imbalance": stats["moe/load_imbalance/mean"], "moe_imbalance_worst": stats["moe/load_imbalance/max"]}

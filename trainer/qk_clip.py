@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from models.common.attention import MLA
 from trainer.distributed import local_part, local_tensor
+from trainer.step_hooks import StepHook
 
 _WRAPPERS = ("._orig_mod", "._checkpoint_wrapped_module")  # compile and activation-checkpoint wrappers
 
@@ -56,7 +57,7 @@ def rescale_heads(attn: MLA, gamma: torch.Tensor) -> None:
     _scale_rows(attn.wkv_b.weight, k_scale.flatten())
 
 
-class QKClip:
+class QKClip(StepHook):
     """Turns logit recording on for clip steps and clips after their optimizer step.
 
     Args:
@@ -75,12 +76,12 @@ class QKClip:
         self._max: torch.Tensor | None = None  # [layers, heads] of the last clip step
         self._clipped: torch.Tensor | None = None
 
-    def begin_step(self, step: int) -> None:
+    def before_forward(self, step: int) -> None:
         self.active = step % self.every == 0
         for _, attn in self.layers:
             attn.record_max_logit, attn.max_logit = self.active, None
 
-    def end_step(self, stepped: bool) -> None:
+    def after_optimizer(self, stepped: bool) -> None:
         """After the optimizer step (`stepped` False: skipped, nothing to clip)."""
         for _, attn in self.layers:
             attn.record_max_logit = False

@@ -37,12 +37,13 @@ from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import check_fits
 from trainer.metrics import (
     MetricsLogger,
+    ThroughputWindow,
     device_description,
+    is_log_step,
     peak_flops_for,
     peak_memory_gib,
-    throughput_record,
 )
-from trainer.optim import ExpertBiasUpdater, build_optimizer, optimizer_step
+from trainer.optim import ExpertBiasUpdater, build_optimizer
 from trainer.parallel import (
     ParallelDims,
     build_loss_function,
@@ -66,6 +67,7 @@ from trainer.runtime import (
     set_seed_and_determinism,
     versions,
 )
+from trainer.step_hooks import StepHook
 from trainer.validate import Validator
 
 logger = logging.getLogger("trainer")
@@ -221,12 +223,12 @@ class Trainer:
         # fine because compilation is lazy (traced at the first step, on the real weights); the
         # loss gets its compiled twin here (docs/compile.md).
         self.loss_fn = build_loss_function(self.parallel_dims, t.compile)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.engram)
+        self.optimizer, optimizer_hooks = build_optimizer(self.model, cfg.optimizer, cfg.engram)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.bias_updater = ExpertBiasUpdater(self.model, self.parallel.global_sum)
-        self.qk_clip = (
-            QKClip(self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh) if o.qk_clip else None
-        )
+        # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
+        self.step_hooks: list[StepHook] = [ExpertBiasUpdater(self.model, self.parallel.global_sum), *optimizer_hooks]
+        if o.qk_clip:
+            self.step_hooks.append(QKClip(self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh))
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
         self.token_group = torch.distributed.new_group(backend="gloo") if multi else None
@@ -359,8 +361,8 @@ class Trainer:
         """Forward and backward of every micro-batch, then one optimizer step; the layout's
         share (batch split, global counts and sums, gradient finishing) is `self.parallel`'s."""
         micro, n_valid, n_valid_mtp = self.parallel.prepare(batches, self.model_args.mtp_depth)
-        if self.qk_clip is not None:
-            self.qk_clip.begin_step(self.step)
+        for hook in self.step_hooks:
+            hook.before_forward(self.step)
         objective = functools.partial(self.objective, n_valid=n_valid, n_valid_mtp=n_valid_mtp)
         with self.parallel.loss_context():
             loss_total, mtp_total = self.parallel.forward_backward(micro, objective, self.autocast)
@@ -376,13 +378,12 @@ class Trainer:
         # nor the MoE bias. The schedule still advances: LR stays a function of the step.
         loss_value, mtp_value, norm_value = torch.cat([totals, grad_norm.to(totals).view(1)]).tolist()
         skip = self.nonfinite.should_skip(self.step, loss_value, norm_value)
-        if skip:
-            self.bias_updater.skip()
-        else:
-            self.bias_updater.step()
-            optimizer_step(self.optimizer)
-        if self.qk_clip is not None:
-            self.qk_clip.end_step(stepped=not skip)
+        for hook in self.step_hooks:
+            hook.before_optimizer(skip)
+        if not skip:
+            self.optimizer.step()
+        for hook in self.step_hooks:
+            hook.after_optimizer(stepped=not skip)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")
@@ -415,21 +416,16 @@ class Trainer:
 
     def logged_metrics(self) -> dict:
         """Metrics that need host reads of their own, gathered on logging steps only: Engram
-        gate statistics (over the steps since the last call) and the last MoE load imbalance."""
+        gate statistics (over the steps since the last call) and every step hook's."""
         stats = engram_metrics(self.model)
-        if self.qk_clip is not None:
-            stats.update(self.qk_clip.metrics())
-        moe_stats = self.bias_updater.stats()
-        if moe_stats:
-            # max/mean expert load, averaged over MoE layers, and the worst layer's.
-            stats["moe_imbalance"] = moe_stats["moe/load_imbalance/mean"]
-            stats["moe_imbalance_worst"] = moe_stats["moe/load_imbalance/max"]
+        for hook in self.step_hooks:
+            stats.update(hook.metrics())
         return stats
 
     def train(self, stop: StopRequest | None = None) -> None:
         """Train to `training.steps`, or until `stop` (installed by the caller; by default one
         of this call's own) asks to save and stop."""
-        cfg, t = self.cfg, self.cfg.training
+        t = self.cfg.training
         own_stop = stop is None
         if own_stop:
             stop = StopRequest(t.time_limit_minutes).install()
@@ -444,57 +440,11 @@ class Trainer:
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
-        world = self.parallel_dims.world_size
-        tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world / world
-        window_time, window_wait, window_steps = 0.0, 0.0, 0
+        tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world
+        window = ThroughputWindow(tokens_per_step / self.parallel_dims.world_size, self.flops_per_token, self.peak_flops)
         try:
             while self.step < t.steps and stop_reason is None:
-                self.step += 1
-                if self.step % t.gc_freq == 0:
-                    gc.collect()
-                self.profiler.step_begin(self.step)
-                step_start = time.perf_counter()
-                batches, data_wait = self.next_microbatches()
-                self.breakdown.begin(data_wait)
-                stats = self.train_step(batches)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                window_time += time.perf_counter() - step_start
-                # After the clock: writing a trace or snapshot is not step time.
-                self.profiler.step_end(self.step)
-                window_wait += data_wait
-                window_steps += 1
-                stop_reason = stop.reason()
-                self.checkpointer.maybe_save(
-                    self.step, {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()},
-                    last=self.step == t.steps, force=stop_reason is not None,
-                )
-                is_log = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps or self.step == 1
-                is_log = is_log or stop_reason is not None
-                is_val = self.validator is not None and (
-                    self.step % cfg.validation.freq == 0 or self.step == t.steps
-                )
-                if not (is_log or is_val):
-                    continue
-                record = {"step": self.step, **stats, **self.logged_metrics()}
-                record.update(
-                    throughput_record(
-                        tokens=tokens_per_step * window_steps,
-                        seconds=window_time,
-                        flops_per_token=self.flops_per_token,
-                        peak_flops=self.peak_flops,
-                    )
-                )
-                record["step_time_s"] = window_time / window_steps
-                record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
-                record["data_wait_pct"] = 100.0 * window_wait / max(window_time, 1e-9)
-                record.update(self.breakdown.window_record())
-                if not math.isfinite(stats["loss"]):
-                    logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
-                if is_val:
-                    record["val_loss"] = self.validator.evaluate()
-                self.metrics.log(record)
-                window_time, window_wait, window_steps = 0.0, 0.0, 0
+                stop_reason = self._train_one_step(stop, window)
         except torch.OutOfMemoryError:
             self.profiler.on_oom(self.step)
             raise
@@ -507,6 +457,40 @@ class Trainer:
         if stop_reason is not None:
             logger.info("stopped at step %d (%s); resume with the same command", self.step, stop_reason)
         logger.info("training finished at step %d; run folder %s", self.step, self.run_dir.resolve())
+
+    def _train_one_step(self, stop: StopRequest, window: ThroughputWindow) -> str | None:
+        """The next step with its checkpoint, logging and validation; returns why to stop, if so."""
+        t = self.cfg.training
+        self.step += 1
+        if self.step % t.gc_freq == 0:
+            gc.collect()
+        self.profiler.step_begin(self.step)
+        step_start = time.perf_counter()
+        batches, data_wait = self.next_microbatches()
+        self.breakdown.begin(data_wait)
+        stats = self.train_step(batches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        window.add(time.perf_counter() - step_start, data_wait)
+        # After the clock: writing a trace or snapshot is not step time.
+        self.profiler.step_end(self.step)
+        stop_reason = stop.reason()
+        self.checkpointer.maybe_save(
+            self.step, {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()},
+            last=self.step == t.steps, force=stop_reason is not None,
+        )
+        is_log = is_log_step(self.step, t.steps, self.cfg.metrics.log_freq, stop_reason is not None)
+        is_val = self.validator is not None and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps)
+        if is_log or is_val:
+            record = {"step": self.step, **stats, **self.logged_metrics(), **window.record()}
+            record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
+            record.update(self.breakdown.window_record())
+            if not math.isfinite(stats["loss"]):
+                logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
+            if is_val:
+                record["val_loss"] = self.validator.evaluate()
+            self.metrics.log(record)
+        return stop_reason
 
     def close(self) -> None:
         self.checkpointer.close()

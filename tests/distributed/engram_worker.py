@@ -269,7 +269,7 @@ def checkpoint_phase(rank: int, world: int, degree: int, mode: str, ckpt_dir: st
     from trainer.checkpoint import CheckpointManager
     from trainer.config import load_config
     from trainer.lr_schedule import build_lr_scheduler
-    from trainer.optim import build_optimizer, optimizer_step
+    from trainer.optim import build_optimizer
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.parallelize import parallelize_model
 
@@ -291,7 +291,7 @@ def checkpoint_phase(rank: int, world: int, degree: int, mode: str, ckpt_dir: st
     model.to_empty(device="cpu")
     model.init_weights()  # buffers (rope tables) and sharded init; then the reference weights:
     load_full_state_dict(model, reference.state_dict())  # every layout starts from the same weights
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.engram)
+    optimizer, optimizer_hooks = build_optimizer(model, cfg.optimizer, cfg.engram)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=4)
     checkpointer = CheckpointManager(
         cfg.checkpoint, ckpt_dir, model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -305,7 +305,9 @@ def checkpoint_phase(rank: int, world: int, degree: int, mode: str, ckpt_dir: st
         loss = cross_entropy_sum(out.logits, labels) / (4 * S)
         loss.backward()
         norm = parallel.finish_grads([p for p in model.parameters() if p.grad is not None], 1.0)
-        optimizer_step(optimizer)
+        for hook in optimizer_hooks:  # the Engram tables' CPU-resident step, when offloaded
+            hook.before_optimizer(skip=False)
+        optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         total = loss.detach().clone()

@@ -283,7 +283,7 @@ def test_optimizer_group_for_tables():
 
     cfg = load_config(["--engram.enable", "--engram.layer_ids", "0,2", "--optimizer.lr", "1e-3"])
     model = _model(_engram_args(layer_ids=(0, 2)))
-    opt = build_optimizer(model, cfg.optimizer, cfg.engram)
+    opt, _ = build_optimizer(model, cfg.optimizer, cfg.engram)
     (group,) = [g for g in opt.param_groups if g.get("engram")]
     assert group["lr"] == pytest.approx(5e-3) and group["weight_decay"] == 0.0
     assert {id(p) for p in group["params"]} == {id(p) for p in engram_table_params(model)}

@@ -9,7 +9,7 @@ from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_table_params
 from trainer.config import load_config
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.optim import build_optimizer, optimizer_step
+from trainer.optim import build_optimizer
 
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=37, head_dim=4)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -27,12 +27,12 @@ def _setup(offload: bool, device: str):
     with torch.device(device):
         model = DeepSeekV3Model(args)
         model.init_weights()
-    opt = build_optimizer(model, cfg.optimizer, cfg.engram)
+    opt, hooks = build_optimizer(model, cfg.optimizer, cfg.engram)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, total_steps=4)
-    return model, opt, sched
+    return model, opt, sched, hooks
 
 
-def _train(model, opt, sched, device, steps=3, seed=3):
+def _train(model, opt, sched, hooks, device, steps=3, seed=3):
     comp = TokenCompression(lookup=torch.arange(32) % 20, num_compressed=20, pad_id=0)
     hasher = NgramHasher(ENGRAM, comp).to(device)
     g = torch.Generator().manual_seed(seed)
@@ -41,22 +41,25 @@ def _train(model, opt, sched, device, steps=3, seed=3):
         out = model(tokens, engram_ids=hasher(tokens))
         torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
-        optimizer_step(opt)
+        for hook in hooks:  # the trainer's step: the hooks (the offloaded tables' step), then the optimizer's
+            hook.before_optimizer(skip=False)
+        opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_offload_matches_device_state_and_keeps_identity(device):
-    ref_model, ref_opt, ref_sched = _setup(False, device)
-    model, opt, sched = _setup(True, device)
+    ref_model, ref_opt, ref_sched, ref_hooks = _setup(False, device)
+    model, opt, sched, hooks = _setup(True, device)
     tables = engram_table_params(model)
     identity = [(id(p), p.data_ptr()) for p in tables]
-    offloaded = opt.engram_offloaded
-    assert offloaded is not opt and not hasattr(ref_opt, "engram_offloaded")
+    (hook,) = hooks
+    offloaded = hook.offloaded
+    assert offloaded is not opt and ref_hooks == []
 
-    _train(ref_model, ref_opt, ref_sched, device)
-    _train(model, opt, sched, device)
+    _train(ref_model, ref_opt, ref_sched, ref_hooks, device)
+    _train(model, opt, sched, hooks, device)
 
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -78,14 +81,14 @@ def test_offload_matches_device_state_and_keeps_identity(device):
 
 
 def test_offloaded_state_dict_round_trip():
-    model, opt, sched = _setup(True, "cpu")
-    _train(model, opt, sched, "cpu")
-    sd = opt.engram_offloaded.state_dict()
+    model, opt, sched, hooks = _setup(True, "cpu")
+    _train(model, opt, sched, hooks, "cpu")
+    sd = hooks[0].offloaded.state_dict()
     assert all("grad_buffer" not in s for s in sd["state"].values())
-    model2, opt2, _ = _setup(True, "cpu")
-    opt2.engram_offloaded.load_state_dict(sd)
+    model2, opt2, _, hooks2 = _setup(True, "cpu")
+    hooks2[0].offloaded.load_state_dict(sd)
     for p, q in zip(engram_table_params(model), engram_table_params(model2)):
-        s1, s2 = opt.engram_offloaded.state[p], opt2.engram_offloaded.state[q]
+        s1, s2 = hooks[0].offloaded.state[p], hooks2[0].offloaded.state[q]
         for key in ("exp_avg", "exp_avg_sq", "master", "step"):
             torch.testing.assert_close(s1[key], s2[key])
             assert s2[key].device.type == "cpu"
@@ -110,13 +113,13 @@ def test_checkpoint_holds_offloaded_state(tmp_path, resume_offloaded):
                                  lr_scheduler=sched, dataloader=NoData(), model_args=model.args,
                                  device=torch.device("cpu"))
 
-    model, opt, sched = _setup(True, "cpu")
-    _train(model, opt, sched, "cpu", steps=2)
+    model, opt, sched, hooks = _setup(True, "cpu")
+    _train(model, opt, sched, hooks, "cpu", steps=2)
     manager(model, opt, sched).save(2, {"step": 2})
-    _train(model, opt, sched, "cpu", steps=2, seed=4)
+    _train(model, opt, sched, hooks, "cpu", steps=2, seed=4)
 
-    model2, opt2, sched2 = _setup(resume_offloaded, "cpu")
+    model2, opt2, sched2, hooks2 = _setup(resume_offloaded, "cpu")
     assert manager(model2, opt2, sched2).load()["step"] == 2
-    _train(model2, opt2, sched2, "cpu", steps=2, seed=4)
+    _train(model2, opt2, sched2, hooks2, "cpu", steps=2, seed=4)
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)

@@ -143,7 +143,7 @@ def test_parameter_split_and_groups():
 
     cfg = JobConfig().optimizer
     cfg.name, cfg.state_dtype = "muon", "bfloat16"
-    opt = build_optimizer(model, cfg)
+    opt, _ = build_optimizer(model, cfg)
     (group,) = [g for g in opt.param_groups if g["muon"]]
     assert {names[id(p)] for p in group["params"]} == muon
     assert sum(len(g["params"]) for g in opt.param_groups) == len(names)
@@ -162,7 +162,7 @@ def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
     model = DeepSeekV3Model(args)
     cfg = JobConfig().optimizer
     cfg.name, cfg.state_dtype = name, state_dtype
-    opt = build_optimizer(model, cfg)
+    opt, _ = build_optimizer(model, cfg)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()

@@ -50,17 +50,17 @@ def test_clipped_heads_max_logit_falls_to_threshold(q_lora_rank):
     attn = _mla(q_lora_rank)
     x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(1))
     clip = QKClip(attn, threshold=1.0, every=1)  # the module itself is the "model"
-    clip.begin_step(1)
+    clip.before_forward(1)
     _forward(attn, x)
     assert attn.max_logit.shape == (HEADS,)
     before = attn.max_logit.clone()
     ordered = before.sort().values
     clip.threshold = float(ordered[1] + ordered[2]) / 2  # clips the largest head only
-    clip.end_step(stepped=True)
+    clip.after_optimizer(stepped=True)
     stats = clip.metrics()
     assert stats["max_logit"] == pytest.approx(float(before.max()))
     assert stats["qk_clipped_heads"] == 1
-    clip.begin_step(2)
+    clip.before_forward(2)
     _forward(attn, x)
     after = attn.max_logit
     expected = before.clamp(max=clip.threshold)
