@@ -106,6 +106,9 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype
+        self.register_load_state_dict_post_hook(_restore_state_dtype)
+
+    BUFFERS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
     def _buffer(self, p: torch.Tensor, name: str) -> torch.Tensor:
         state = self.state[p]
@@ -160,3 +163,14 @@ class MuonAdamW(torch.optim.Optimizer):
                 s.copy_(computed)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
         weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+
+def _restore_state_dtype(optimizer: MuonAdamW) -> None:
+    """``load_state_dict`` post-hook: torch's loader casts floating-point state to its parameter's
+    dtype (fp32 here), which would turn bf16 states fp32 at the first resume: more memory than the
+    job was sized for, and a resume that is no longer exact. The saved values are bf16, so casting
+    them back loses nothing."""
+    for state in optimizer.state.values():
+        for name in MuonAdamW.BUFFERS:
+            if name in state and state[name].dtype != optimizer.state_dtype:
+                state[name] = state[name].to(optimizer.state_dtype)
