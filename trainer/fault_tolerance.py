@@ -76,7 +76,8 @@ class StopRequest:
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite steps, or non-finite weights or optimizer state; the run
-    stops without saving (exit code 3)."""
+    stops without saving (exit code 3). The message says what happened; where a rerun resumes is
+    the checkpoint manager's to say (`CheckpointManager.newest_good`)."""
 
 
 def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,8 +134,7 @@ class NonFiniteGuard:
         if self.consecutive >= self.max_consecutive:
             raise TrainingDiverged(
                 f"step {step}: {self.consecutive} consecutive steps with a non-finite loss or gradient norm "
-                f"(training.max_skipped_steps = {self.max_consecutive}); stopping without saving. Resume from "
-                "the last checkpoint with a lower learning rate, or check the data near this step."
+                f"(training.max_skipped_steps = {self.max_consecutive}); stopping without saving"
             )
         return True
 

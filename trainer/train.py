@@ -557,7 +557,8 @@ def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
         logger.warning("interrupted at step %d; exiting", trainer.step)
         return 130
     except TrainingDiverged as e:
-        logger.error("%s", e)
+        logger.error("%s; %s. Lower the learning rate for the rerun, or check the data near this step.",
+                     e, trainer.checkpointer.newest_good())
         return 3
     finally:
         trainer.close()

@@ -6,11 +6,14 @@
   at step 2, so the same test shows the step is skipped and training goes on, and that the
   skip counter and LR schedule survive the resume.
 - SIGTERM: run_train.sh exits 0 with a checkpoint at its last step.
-- too many non-finite steps: the run stops with exit code 3 and saves nothing broken.
-- damaged checkpoint: the newest checkpoint's shard gets 4 KiB of flipped bytes (same size); the
-  rerun reports it by name, resumes from the one before, and repeats the uninterrupted run's
-  losses bit for bit. Then a weight turned inf after an optimizer step: the next save is refused,
-  exit code 3, and the newest good checkpoint stays (keep_latest_k = 1 would have pruned it).
+- too many non-finite steps: the run stops with exit code 3, saves nothing broken and names the
+  checkpoint it saved before as the one a rerun resumes from.
+- damaged checkpoint: the newest checkpoint's shard gets 4 KiB of flipped bytes (same size) and
+  its `COMPLETE` marker is cut off, so the marker no longer records the checksums that would
+  catch the shard; the rerun reports the marker by name, resumes from the one before, and repeats
+  the uninterrupted run's losses bit for bit. Then a weight turned inf after an optimizer step:
+  the next save is refused, exit code 3, the message names the checkpoint the run verified, and
+  that checkpoint stays (keep_latest_k = 1 would have pruned it).
 """
 
 import json
@@ -158,7 +161,9 @@ def test_repeated_nan_stops_without_checkpoint(tmp_path):
                "--checkpoint.enable", "--checkpoint.interval", "1"])
     assert rc == 3
     assert [c.step for c in list_checkpoints(run_dir / "checkpoint")] == [1]
-    assert "1 consecutive steps with a non-finite loss" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "1 consecutive steps with a non-finite loss" in log
+    assert f"the newest good checkpoint is {run_dir / 'checkpoint' / 'step-1'} (saved by this run;" in log
 
 
 def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path, reference):
@@ -173,12 +178,15 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path,
     size = shard.stat().st_size
     flip_bytes(shard)
     assert shard.stat().st_size == size
+    marker = folder / f"step-{STEPS}" / COMPLETE
+    marker.write_text(marker.read_text()[:100])
 
     records_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
     assert main([*COMMON, *ckpt]) == 0
     log = (run_dir / "train.log").read_text()
-    assert (f"checkpoint step-{STEPS} is corrupt or partial ({shard} differs from the SHA-256 recorded "
-            f"when it was saved (damaged)); falling back to step-{STEPS // 2}") in log
+    assert (f"checkpoint step-{STEPS} is corrupt or partial ({marker} is damaged: not the JSON its save wrote "
+            in log)
+    assert f"falling back to step-{STEPS // 2}" in log and "records no checksums" not in log
     assert f"resumed from {folder / f'step-{STEPS // 2}'}" in log
     rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[records_before:]]
     assert [r["step"] for r in rerun] == list(range(STEPS // 2 + 1, STEPS + 1))
@@ -199,7 +207,8 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path,
     assert run(trainer) == 3
     log = (run_dir / "train.log").read_text()
     assert f"step {STEPS + 1}: NaN or inf in" in log and "model.embed.weight" in log
-    assert f"no checkpoint saved (the newest good one, {newest}, is kept)" in log
+    assert (f"NaN or inf; no checkpoint saved; the newest good checkpoint is {newest} (its checksums verified when "
+            "this run resumed from it;") in log
     assert [c.step for c in list_checkpoints(folder)] == [STEPS, STEPS // 2]
     assert (newest / COMPLETE).read_text() == marker
     assert not list(folder.glob(f"step-{STEPS + 1}*"))

@@ -236,8 +236,66 @@ def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog, monkeypatch):
     (folder / "step-1" / COMPLETE).write_text(json.dumps(marker))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainer"):
-        assert build(tmp_path, load_step=1).mgr.load()["step"] == 1
+        old = build(tmp_path, load_step=1)
+        assert old.mgr.load()["step"] == 1
     assert "records no checksums" in caplog.text
+    assert "saved before checksums were recorded, so not verified" in old.mgr.newest_good()
+
+
+# What a damaged marker can look like: cut off (a killed copy), empty (a crash before the write
+# reached the disk), bytes changed into ones that are not UTF-8, valid JSON of the wrong shape.
+DAMAGED_MARKERS = {
+    "cut off": lambda text: text[: len(text) // 2],
+    "empty": lambda text: b"",
+    "not UTF-8": lambda text: text[:40] + b"\xff\xfe" + text[42:],
+    "not an object": lambda text: b"[]",
+    "checksum record": lambda text: text.replace(b'"bytes"', b'"bytez"'),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_MARKERS)
+def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkeypatch, damage):
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    a = build(tmp_path)
+    for step in (1, 2):
+        train_step(a, step)
+        a.mgr.maybe_save(step, {"step": step})
+    reference = {k: v.clone() for k, v in a.model.state_dict().items()}
+    folder = tmp_path / "checkpoint"
+    # A damaged newer checkpoint: step-2's files (intact) under step-9, whose marker is damaged.
+    shutil.copytree(folder / "step-2", folder / "step-9")
+    marker = folder / "step-9" / COMPLETE
+    marker.write_bytes(DAMAGED_MARKERS[damage](marker.read_bytes()))
+
+    # Resume reports it by name at warning level and falls back, never loading it unverified.
+    b = build(tmp_path, keep_latest_k=1)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert b.mgr.load()["step"] == 2
+    assert f"checkpoint step-9 is corrupt or partial ({marker} is damaged" in caplog.text
+    assert "falling back to step-2" in caplog.text and "records no checksums" not in caplog.text
+    assert any(r.levelno == logging.WARNING and "step-9" in r.getMessage() for r in caplog.records)
+    for key, value in reference.items():
+        assert torch.equal(value, b.model.state_dict()[key]), key
+    assert b.mgr.newest_good().startswith(f"the newest good checkpoint is {folder / 'step-2'} (its checksums verified")
+
+    # Saving on, keep_latest_k = 1 keeps the checkpoint just saved, not the damaged step-9, which
+    # stays for the user to look at; a divergence then names the new one.
+    train_step(b, 3)
+    b.mgr.maybe_save(3, {"step": 3})
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-9"]
+    assert b.mgr.newest_good().startswith(f"the newest good checkpoint is {folder / 'step-3'} (saved by this run;")
+
+    # Nothing to fall back to: one line naming the marker.
+    for load in (build(tmp_path, load_step=9).mgr.load, lambda: read_model_state_dict(folder / "step-9")):
+        with pytest.raises(CheckpointError, match=rf"^{marker} is damaged"):
+            load()
+
+
+def test_no_good_checkpoint_is_named_when_there_is_none(tmp_path):
+    assert build(tmp_path, enable=False).mgr.newest_good() == "no checkpoint to resume from (checkpoint.enable is off)"
+    fresh = build(tmp_path)
+    assert fresh.mgr.load() is None
+    assert "neither saved one nor resumed from one" in fresh.mgr.newest_good()
 
 
 @pytest.mark.parametrize("where", ["weight", "optimizer state"])
@@ -253,8 +311,9 @@ def test_nonfinite_state_is_never_saved(tmp_path, where):
             a.model.layers["1"].attn.wkv_b.weight[0, 0] = math.nan
         else:
             a.opt.state[a.model.embed.weight]["exp_avg_sq"][3, 1] = math.inf
-    with pytest.raises(TrainingDiverged, match=f"no checkpoint saved \\(the newest good one, {good}, is kept\\)"):
+    with pytest.raises(TrainingDiverged, match="NaN or inf; no checkpoint saved$"):
         a.mgr.maybe_save(2, {"step": 2})
+    assert a.mgr.newest_good().startswith(f"the newest good checkpoint is {good} (saved by this run;")
     assert [c.step for c in list_checkpoints(tmp_path / "checkpoint")] == [1]  # not pruned by keep_latest_k
     assert (good / COMPLETE).read_text() == marker
     assert not list((tmp_path / "checkpoint").glob("step-2*"))

@@ -59,6 +59,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message says which and why."""
 
 
+class UnreadableCheckpoint(Exception):
+    """A checkpoint whose files are damaged (as opposed to one that does not fit the model)."""
+
+
 @dataclasses.dataclass
 class CheckpointInfo:
     path: Path
@@ -105,8 +109,12 @@ def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
     for path in folder.iterdir():
         match = _STEP_DIR.fullmatch(path.name)
         if match and path.is_dir() and is_complete(path):
-            marker = read_marker(path)
-            found.append(CheckpointInfo(path, int(match.group(1)), bool(marker.get("model_only", False))))
+            try:
+                model_only = bool(read_marker(path).get("model_only", False))
+            except UnreadableCheckpoint:
+                # Listed as a full checkpoint: a load verifies the marker first and reports it by name.
+                model_only = False
+            found.append(CheckpointInfo(path, int(match.group(1)), model_only))
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
@@ -120,10 +128,36 @@ def incomplete_checkpoints(folder: str | Path) -> list[Path]:
 
 
 def read_marker(path: Path) -> dict:
+    """The `COMPLETE` marker of the checkpoint folder `path`; {} when it has none (a DCP folder
+    another tool wrote). Every version of this trainer wrote a JSON object there, so anything else
+    (empty, cut off, changed bytes) is a damaged marker: its record of the other files cannot be
+    trusted, and UnreadableCheckpoint names it, as a damaged shard is named."""
+    file = path / COMPLETE
     try:
-        return json.loads((path / COMPLETE).read_text() or "{}")
-    except (OSError, json.JSONDecodeError):
+        text = file.read_bytes()
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise UnreadableCheckpoint(f"cannot read {file}: {e.strerror}") from None
+    if not text.strip():
+        raise UnreadableCheckpoint(f"{file} is damaged: empty (its save wrote a JSON object)")
+    try:
+        marker = json.loads(text)  # bytes: a changed byte that is not UTF-8 is a ValueError too
+    except ValueError as e:
+        raise UnreadableCheckpoint(f"{file} is damaged: not the JSON its save wrote ({str(e).splitlines()[0]})") from None
+    if not isinstance(marker, dict):
+        raise UnreadableCheckpoint(f"{file} is damaged: a JSON {type(marker).__name__}, not the object its save wrote")
+    files = marker.get(FILES)
+    if files is not None and not _well_formed_record(files):
+        raise UnreadableCheckpoint(f"{file} is damaged: its \"{FILES}\" entry is not a record of sizes and SHA-256s")
+    return marker
+
+
+def _well_formed_record(files) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
+        for f in files.values()
+    )
 
 
 def read_model_args(path: str | Path) -> DeepSeekV3ModelArgs:
@@ -172,23 +206,21 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-class UnreadableCheckpoint(Exception):
-    """A checkpoint whose files are damaged (as opposed to one that does not fit the model)."""
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Raise UnreadableCheckpoint naming every file of `path` whose size or SHA-256 differs from
-    its `COMPLETE` marker's record (every rank calls it: the ranks share the hashing)."""
+def verify_checkpoint(path: Path) -> bool:
+    """Raise UnreadableCheckpoint naming a damaged `COMPLETE` marker, or every file of `path`
+    whose size or SHA-256 differs from its record (every rank calls it: the ranks share the hashing).
+    False: the checkpoint records no checksums (an older version's), so nothing was verified."""
     files = read_marker(path).get(FILES)
     if files is None:
         logger.info("%s records no checksums (not saved by this version): its files are not verified", path)
-        return
+        return False
     start = time.perf_counter()
     problems = checksum_problems(path, files)
     if problems:
         raise UnreadableCheckpoint("; ".join(problems))
     logger.info("%s: %d files (%.1f MiB) match their checksums, checked in %.2fs", path, len(files),
                 sum(f["bytes"] for f in files.values()) / 2**20, time.perf_counter() - start)
+    return True
 
 
 def verify_or_refuse(path: Path) -> None:

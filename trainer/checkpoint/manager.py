@@ -23,9 +23,12 @@ background thread while training continues; the rename happens at the first step
 the write finished, and the run waits for it before the next save and before exiting.
 
 Integrity: the `COMPLETE` marker records every file's size and SHA-256 (`integrity`), and a load
-checks them first; a damaged newest checkpoint is reported by name and the next older complete
-one is loaded instead. A state with NaN or inf in its weights or optimizer state is never saved:
-the save raises `TrainingDiverged` (exit code 3) and leaves the complete checkpoints as they are.
+checks them first; a damaged newest checkpoint (a file, or the marker itself) is reported by name
+and the next older complete one is loaded instead. Pruning does not count the damaged ones it
+passed over. A state with NaN or inf in its weights or optimizer state is never saved: the save
+raises `TrainingDiverged` (exit code 3) and leaves the complete checkpoints as they are; the
+manager knows the newest checkpoint it verified or saved itself (`newest_good`), which the run's
+message names.
 """
 
 from __future__ import annotations
@@ -152,6 +155,10 @@ class CheckpointManager:
         self.storage_writer_factory = storage_writer_factory or (lambda path: ChecksumWriter(str(path)))
         self._pending: _PendingSave | None = None
         self._last_saved_step = -1
+        # The newest checkpoint this run saved, or resumed from after verifying it, with how it is
+        # known good; and the folders the resume found damaged, which pruning must not count.
+        self._good: tuple[Path, str] | None = None
+        self._damaged: set[str] = set()
         self._async_pg = None
         if cfg.enable and cfg.async_mode == "async":
             if not is_distributed():
@@ -244,12 +251,18 @@ class CheckpointManager:
                            ", ".join(bad[:6]), " ..." if len(bad) > 6 else "")
         if not all_ranks_any(bool(bad)):
             return
-        good = list_checkpoints(self.folder)
-        raise TrainingDiverged(
-            f"step {step}: the model weights or optimizer state hold NaN or inf; no checkpoint saved "
-            f"({f'the newest good one, {good[0].path}, is kept' if good else 'none was saved before'}). "
-            "Resume from the last good checkpoint with a lower learning rate, or check the data near this step."
-        )
+        raise TrainingDiverged(f"step {step}: the model weights or optimizer state hold NaN or inf; no checkpoint saved")
+
+    def newest_good(self) -> str:
+        """Where a rerun of a diverged run resumes, for its message: the newest checkpoint this run
+        saved or verified on its resume. Never one found damaged, nor one merely listed: a marker
+        says a save finished, not that its files are still intact."""
+        if not self.cfg.enable:
+            return "no checkpoint to resume from (checkpoint.enable is off)"
+        if self._good is None:
+            return "no checkpoint to resume from (this run neither saved one nor resumed from one)"
+        path, how = self._good
+        return f"the newest good checkpoint is {path} ({how}; a rerun of the same command resumes from it)"
 
     def poll(self) -> None:
         """Finish a background save whose write is done; cheap, call once per step."""
@@ -268,13 +281,21 @@ class CheckpointManager:
     def _finalize(self, pending: _PendingSave) -> None:
         if self.rank == 0:
             seal(pending.tmp, pending.final, self.model_args, pending.marker)
+        # The save replaced a damaged folder of the same step, if there was one.
+        self._damaged.discard(pending.final.name)
+        if not pending.marker["model_only"]:
+            self._good = (pending.final, "saved by this run")
+        if self.rank == 0:
             self._prune()
 
     def _prune(self) -> None:
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        for old in list_checkpoints(self.folder)[k:]:
+        # A damaged checkpoint newer than the resumed one is not one of the newest K: counted, it
+        # would make pruning delete the good ones saved since (with K = 1, each right after its save).
+        usable = [c for c in list_checkpoints(self.folder) if c.path.name not in self._damaged]
+        for old in usable[k:]:
             shutil.rmtree(old.path, ignore_errors=True)
             logger.info("removed old checkpoint %s (keep_latest_k = %d)", old.path.name, k)
 
@@ -337,6 +358,7 @@ class CheckpointManager:
             try:
                 return self._load_full(info)
             except UnreadableCheckpoint as e:
+                self._damaged.add(info.path.name)
                 rest = [c for c in candidates[i + 1:] if not c.model_only]
                 logger.warning(
                     "checkpoint %s is corrupt or partial (%s); %s", info.path.name, e,
@@ -353,7 +375,7 @@ class CheckpointManager:
                 f"{info.path} is a model-only export; use checkpoint.initial_load_path to start from it"
             )
         start = time.perf_counter()
-        verify_checkpoint(info.path)
+        verified = verify_checkpoint(info.path)
         shapes = checkpoint_shapes(info.path)
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
@@ -399,6 +421,8 @@ class CheckpointManager:
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
         train_state = state["train_state"]
         self._last_saved_step = int(train_state["step"])
+        self._good = (info.path, "its checksums verified when this run resumed from it" if verified else
+                      "resumed from; saved before checksums were recorded, so not verified")
         logger.info("resumed from %s (step %d) in %.2fs", info.path, train_state["step"], time.perf_counter() - start)
         return train_state
 
