@@ -88,6 +88,14 @@ _LINE_FIELDS = (
 )
 
 
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 class MetricsLogger:
     """Writes one record per logged step to the console, the JSONL file, wandb and TensorBoard.
 
@@ -111,7 +119,12 @@ class MetricsLogger:
         self._first_step: tuple[int, float] | None = None  # (step, clock) of the first logged step
         if not enabled:
             return
-        self._jsonl = open(run_dir / metrics_cfg.jsonl_file, "a", encoding="utf-8")
+        jsonl = run_dir / metrics_cfg.jsonl_file
+        self._jsonl = open(jsonl, "a", encoding="utf-8")
+        if _ends_mid_line(jsonl):
+            # A run killed while writing left its last record cut off: the resumed run's records
+            # start on a line of their own instead of continuing (and spoiling) that one.
+            self._jsonl.write("\n")
         if metrics_cfg.enable_wandb and metrics_cfg.wandb_mode != "disabled":
             import wandb
 

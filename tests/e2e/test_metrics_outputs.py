@@ -44,7 +44,8 @@ def test_tensorboard_events_and_plot_of_a_real_run(tmp_path):
     plot_metrics = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_metrics)
     png = tmp_path / "curves.png"
-    assert plot_metrics.main([str(run_dir), "-o", str(png)]) == 0
+    # The dump folder the run was given: its newest (here: only) run is drawn.
+    assert plot_metrics.main([str(tmp_path / "run"), "-o", str(png)]) == 0
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (880, 560)  # 11 x 7 inches at 80 dpi
         colors = image.convert("RGB").getcolors(maxcolors=1 << 16)
