@@ -6,6 +6,15 @@
 
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":
+    # `python -m trainer.train` spends its first seconds importing torch, before `main` installs
+    # the stop handlers. Python's own SIGINT handler would raise KeyboardInterrupt inside
+    # whichever import runs, and print its traceback; with the default action a Ctrl-C ends the
+    # process quietly, as SIGTERM does, and run_train.sh (or the shell) reports the stop.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import dataclasses
 import functools

@@ -9,6 +9,10 @@ trained, across three resumes, equal bit for bit those of the same run uninterru
 uninterrupted run is started while another process holds the default port 29500 (one node picks a
 free port); with MASTER_PORT set to a taken port the script refuses at once, naming it, and a
 2-node rendezvous whose second node never comes ends after RDZV_TIMEOUT in one line.
+
+Ctrl-C during start-up ends without a traceback, whenever it comes: while the workers import torch
+(torchrun passes the stop on, they end at once and the script says nothing was trained), while
+they build the run (a stop request like any other), and in one process while it imports torch.
 """
 
 import errno
@@ -62,6 +66,34 @@ def torchrun_pid(script_pid: int) -> int:
         if int(fields[1]) == script_pid and b"torchrun" in cmdline:
             return int(stat.parent.name)
     raise AssertionError(f"no torchrun child of {script_pid}")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def importing_torch(pid: int) -> bool:
+    """Whether process `pid` has loaded torch's C++ library: from then on its import of torch
+    still loads Python modules for seconds, and the trainer's own imports follow."""
+    try:
+        return b"libtorch" in Path(f"/proc/{pid}/maps").read_bytes()
+    except OSError:
+        return False
+
+
+def wait_for(proc: subprocess.Popen, what: str, condition, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"ended before {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
 
 
 def finish(proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> str:
@@ -153,3 +185,39 @@ def test_a_rendezvous_that_never_completes_ends_in_one_line(tmp_path):
     lines = out.strip().splitlines()
     assert len(lines) == 1 and f"MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} failed" in lines[0], out
     assert "RDZV_TIMEOUT = 3 s" in lines[0] and "NNODES = 2" in lines[0], out
+
+
+def test_ctrl_c_during_start_up_ends_without_a_traceback(tmp_path):
+    def worker_importing_torch() -> bool:
+        try:
+            launcher = torchrun_pid(proc.pid)
+        except AssertionError:  # not started yet
+            return False
+        return any(importing_torch(worker) for worker in children(launcher))
+
+    importing = tmp_path / "importing"
+    proc = launch(importing)
+    wait_for(proc, "worker importing torch", worker_importing_torch)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert "stopped by SIGINT while the workers were starting: nothing was trained" in out, out[-3000:]
+    assert not importing.exists()
+
+    # Once the workers build the run (its log is open), their stop handlers have it: step 0, or the
+    # step it came in, saved like any stop.
+    building = tmp_path / "building"
+    proc = launch(building)
+    wait_for(proc, "train.log", (building / "train.log").exists)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert f"stopped at step {max(losses(building), default=0)} (received SIGINT)" in out, out[-3000:]
+
+    # One process (run_train.sh execs it): it ends by the signal, as any program does on Ctrl-C.
+    alone = tmp_path / "alone"
+    proc = launch(alone, NGPU="1")
+    wait_for(proc, "trainer importing torch", lambda: importing_torch(proc.pid))
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in out, out[-3000:]

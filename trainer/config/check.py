@@ -12,6 +12,13 @@ Torch-free.
 
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":
+    # A Ctrl-C while this check imports the config modules ends it quietly (the default action),
+    # not with a KeyboardInterrupt traceback; run_train.sh stops with it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import errno
 import socket
 import sys
