@@ -10,13 +10,16 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node jobs (c10d rendezvous; MASTER_PORT
 #                default 29500). One node picks a free port unless MASTER_PORT is set.
 #   RDZV_TIMEOUT seconds the nodes may take to meet (default 600)
+#   RESTARTS     times torchrun restarts every worker after one fails (default 0); a restarted
+#                worker resumes from the newest complete checkpoint (needs --checkpoint.enable)
 # Every argument is passed to `python -m trainer.train`, so CLI overrides work as usual:
 #   ./run_train.sh --training.steps 50 --training.compile
 # The environment, the config, the layout (against NNODES x NGPU) and the dump folder are checked
 # before any process starts; a mistake prints one `config error: ...` line and exits with code 2,
 # as does any user mistake a worker finds (one `[rankN] ...` line per failing rank).
 # SIGTERM, SIGINT (Ctrl-C) and SIGHUP stop the run: the workers save the step they are in, and
-# the script exits 0 once they have; a second Ctrl-C aborts at once.
+# the script exits 0 once they have; a second Ctrl-C aborts at once. When the script dies by a
+# signal it cannot catch (SIGKILL), torchrun and the workers die with it, without saving.
 set -euo pipefail
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -59,6 +62,8 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
 fi
 RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
 check_integer RDZV_TIMEOUT "$RDZV_TIMEOUT" 1 86400 "seconds the nodes may take to meet must be a positive integer"
+RESTARTS="${RESTARTS:-0}"
+check_integer RESTARTS "$RESTARTS" 0 1000 "the times torchrun restarts the workers after one fails must be an integer 0..1000, e.g. RESTARTS=3"
 LOG_RANK="${LOG_RANK:-0}"
 IFS=, read -r -a log_ranks <<<"$LOG_RANK"
 for rank in "${log_ranks[@]}"; do
@@ -71,19 +76,26 @@ export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # Offline by default: a debug run must not block on a login prompt.
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
-# Check the config, the layout against NNODES x NGPU, the dump folder and a given single-node
-# MASTER_PORT before starting anything (torch-free: a mistake costs a second and prints one
-# `config error: ...` line, exit code 2).
+# Check the config, the layout against NNODES x NGPU, the dump folder, RESTARTS against the
+# checkpoint settings and the rendezvous port this node is to listen on before starting anything
+# (torch-free: a mistake costs a second and prints one `config error: ...` line, exit code 2).
+# Node 0 of a multi-node job hosts the rendezvous (is_host below); on a port another program
+# holds, torchrun would instead join that program as a client and wait in silence for minutes.
+# One process needs no launcher (and no port), unless torchrun is to restart it.
+single=$(( NGPU == 1 && NNODES == 1 && RESTARTS == 0 ))
 port_check=()
-if (( NNODES == 1 && NGPU > 1 )) && [[ -n "${MASTER_PORT:-}" ]]; then
+if (( NNODES == 1 && ! single )) && [[ -n "${MASTER_PORT:-}" ]]; then
   port_check=(--free-port "$MASTER_ADDR:$MASTER_PORT")
+elif (( NNODES > 1 && NODE_RANK == 0 )); then
+  port_check=(--rendezvous-host-port "${MASTER_PORT:-29500}")
 fi
-python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" "${port_check[@]}" --job.config_file "$CONFIG_FILE" "$@"
+python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" --restarts "$RESTARTS" "${port_check[@]}" \
+  --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do
   [[ "$arg" == "-h" || "$arg" == "--help" ]] && exit 0
 done
 
-if [[ "$NGPU" -eq 1 && "$NNODES" -eq 1 ]]; then
+if (( single )); then
   exec python3 -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 
@@ -92,7 +104,21 @@ if (( NNODES == 1 )) && [[ -z "${MASTER_PORT:-}" ]]; then
   rendezvous=(--standalone)
 else
   MASTER_PORT="${MASTER_PORT:-29500}"
-  rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_conf="join_timeout=$RDZV_TIMEOUT")
+  # Node 0 hosts the rendezvous store, every other node joins it: left to torchrun, each node
+  # whose MASTER_ADDR is local (all of them, when the nodes share a machine) would try to host,
+  # and one that found the port taken would join whatever listens there.
+  is_host=$( (( NODE_RANK == 0 )) && echo true || echo false )
+  rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"
+              --rdzv_conf="join_timeout=$RDZV_TIMEOUT,is_host=$is_host")
+fi
+
+if (( RESTARTS > 0 )); then
+  # torchrun shares its rendezvous store with the workers, and a restarted group meets in that
+  # same store, still holding the keys of the group before it: a restarted rank can read a dead
+  # peer's address and fail to connect (torch 2.13: https://github.com/pytorch/pytorch/issues/135712
+  # was closed, but a restart on an unchanged rank 0 reuses the store). Unshared, rank 0 of each
+  # group hosts a fresh store on a new port, as before torch 2.4.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
 
 # The launcher and its workers share TRAINER_LAUNCH_DIR: a worker writes rank<R>.pid once its stop
@@ -128,6 +154,8 @@ on_signal() {  # SIGNAL
   elif [[ "$1" == INT && "$stop_signal" != ABORT ]]; then
     stop_signal=ABORT
     printf 'run_train.sh: second Ctrl-C: killing the workers; resume starts from the last complete checkpoint\n' >&2
+    # torchrun first: it would restart killed workers (RESTARTS); its death kills them too.
+    kill -s KILL "$launcher_pid" 2>/dev/null || true
     forward KILL
   fi
 }
@@ -143,9 +171,11 @@ while IFS= read -r line || [[ -n "$line" ]]; do
   if [[ "$line" == "[rank"* ]]; then printf '%s\n' "$line" >&2; else printf '%s\n' "$line" >>"$LAUNCHER_LOG"; fi
 done <"$TRAINER_LAUNCH_DIR/stderr" &
 filter_pid=$!
-torchrun \
+# torchrun and each worker die by SIGKILL when their parent does (trainer/parent_death.py: a
+# parent-death signal, and why): nothing of the run outlives this script, however it ends.
+python3 -m trainer.parent_death $$ torchrun \
   --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" "${rendezvous[@]}" \
-  --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+  --max-restarts="$RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@" </dev/null 2>"$TRAINER_LAUNCH_DIR/stderr" &
 launcher_pid=$!
 set +m +e

@@ -65,6 +65,7 @@ from trainer.parallel import (
     materialize,
     parallelize_model,
 )
+from trainer.parent_death import die_with_launcher
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.qk_clip import QKClip
 from trainer.run_folder import open_run_folder
@@ -293,6 +294,17 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
             device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
         )
+        # torchrun --max-restarts (run_train.sh's RESTARTS) starts the same command again after a
+        # worker failed: a resumable run's folder is the dump folder itself, so the load below
+        # picks up the newest complete checkpoint and names it.
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart:
+            logger.info(
+                "restart %d of at most %s (torchrun --max-restarts) after a worker failed: %s", restart,
+                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                "resuming from the newest complete checkpoint" if self.cfg.checkpoint.enable
+                else "checkpoint.enable is off, so it trains again from step 0, in a new run folder",
+            )
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step = int(resumed["step"])
@@ -522,6 +534,7 @@ def _setup_logging(log_file: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         cfg = load_config(argv)
     except ConfigError as e:

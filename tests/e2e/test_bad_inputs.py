@@ -1,7 +1,7 @@
 """User mistakes through run_train.sh, as a user makes them: each fails fast with exit code 2 and
 one `error:` line per failing process that names the key or the file, and no traceback.
 
-Mistakes in the launch environment (NGPU, LOG_RANK), the config file (encoding, layout, keys), the
+Mistakes in the launch environment (NGPU, LOG_RANK, RESTARTS), the config file (encoding, layout, keys), the
 dump folder and local data files (missing or empty) are caught before any process starts (by
 run_train.sh and the pre-launch check); the others (data files that do not parse, a model the
 layout cannot split) by every worker, whose lines run_train.sh prints as `[rankN] ...` instead of
@@ -100,6 +100,8 @@ def launch_files(tmp_path):
         ("two", {}, [], ["NGPU=two", "positive integer", "NGPU=2"]),
         (2, {"LOG_RANK": "5"}, [], ["LOG_RANK=5", "0..1 with NGPU=2", "LOG_RANK=0"]),
         (1, {"LOG_RANK": "0,x"}, [], ["LOG_RANK=0,x", "0..0 with NGPU=1"]),
+        (2, {"RESTARTS": "-1"}, [], ["RESTARTS=-1", "integer 0..1000", "RESTARTS=3"]),
+        (1, {"RESTARTS": "2"}, [], ["RESTARTS=2", "checkpoint.enable is off", "pass --checkpoint.enable"]),
         (2, {}, ["--training.dataset", "json", "--training.dataset_path", "empty.jsonl"],
          ["training.dataset_path", "empty.jsonl is empty"]),
     ],

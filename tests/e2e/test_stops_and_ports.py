@@ -7,8 +7,9 @@ group (Ctrl-C) and SIGTERM to torchrun alone. Every stop exits 0 with the checkp
 stopped at complete before the script returns and no traceback, and the losses of all the steps
 trained, across three resumes, equal bit for bit those of the same run uninterrupted. That
 uninterrupted run is started while another process holds the default port 29500 (one node picks a
-free port); with MASTER_PORT set to a taken port the script refuses at once, naming it, and a
-2-node rendezvous whose second node never comes ends after RDZV_TIMEOUT in one line.
+free port); with MASTER_PORT set to a taken port the script refuses at once, naming it, as node 0
+of a 2-node job does (it hosts the rendezvous), and a 2-node rendezvous whose second node never
+comes ends after RDZV_TIMEOUT in one line.
 
 Ctrl-C during start-up ends without a traceback, whenever it comes: while the workers import torch
 (torchrun passes the stop on, they end at once and the script says nothing was trained), while
@@ -171,6 +172,24 @@ def test_a_taken_master_port_is_refused_at_once_naming_it(tmp_path):
     assert proc.returncode == 2, out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and f"MASTER_PORT={port} is in use" in lines[0] and "unset MASTER_PORT" in lines[0], out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_multinode_rendezvous_host_on_a_taken_port_is_refused_naming_it(tmp_path):
+    # The issue saw no output for 180 s with RDZV_TIMEOUT=30: node 0 joined the plain listener as a
+    # client of its rendezvous store and waited. Now one line, exit 2, well within RDZV_TIMEOUT.
+    rdzv_timeout = 30
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = launch(tmp_path / "run", NNODES="2", NGPU="1", NODE_RANK="0", MASTER_PORT=str(port),
+                      RDZV_TIMEOUT=str(rdzv_timeout))
+        out = finish(proc, timeout=rdzv_timeout)
+    assert proc.returncode == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and f"MASTER_PORT={port} is in use on this node" in lines[0], out
+    assert "hosts the multi-node rendezvous (NODE_RANK=0)" in lines[0] and "the same on every node" in lines[0], out
     assert not (tmp_path / "run").exists()
 
 

@@ -125,6 +125,12 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (1, ["--model.name", "llama3"], ["model.name = 'llama3' is not allowed", "deepseek_v3"]),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|t*3X"], ["cannot read 'X'"]),
         (4, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], ["pp_microbatches = 2 must divide training.local_batch_size = 3"]),
+        # run_train.sh's RESTARTS: a restart resumes from the newest checkpoint (issue 34).
+        (2, ["--restarts", "1"], ["RESTARTS=1", "checkpoint.enable is off", "pass --checkpoint.enable", "unset RESTARTS"]),
+        (
+            2, ["--restarts=2", "--checkpoint.enable", "--checkpoint.load_step", "4"],
+            ["RESTARTS=2 with checkpoint.load_step = 4", "load step 4 again", "drop --checkpoint.load_step"],
+        ),
     ],
 )
 def test_prelaunch_check_refuses_with_one_line(capsys, tmp_path, world, argv, words):
@@ -150,6 +156,8 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.cp", "2"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp"]) == 0
     assert main(["--world-size", "64", *run, "--model.flavor", "671B", "--parallelism.pp", "8", "--parallelism.ep", "8"]) == 0
+    assert main(["--world-size", "2", *run, "--restarts", "3", "--checkpoint.enable"]) == 0
+    assert main(["--world-size", "2", *run, "--restarts", "0", "--checkpoint.load_step", "4"]) == 0
     assert capsys.readouterr().err == ""
 
 
@@ -192,3 +200,17 @@ def test_prelaunch_check_refuses_a_taken_port(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith(f"config error: MASTER_PORT={port} is in use on MASTER_ADDR=127.0.0.1") and "unset MASTER_PORT" in err
     assert main(["--world-size", "2", f"--free-port=127.0.0.1:{port}", *run]) == 0  # released
+
+
+def test_prelaunch_check_refuses_a_taken_port_on_the_multinode_rendezvous_host(capsys, tmp_path):
+    # Node 0 hosts the store on every address of the node: a listener on loopback alone takes it.
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["--world-size", "4", "--rendezvous-host-port", str(port), *run]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: MASTER_PORT={port} is in use on this node") and err.count("\n") == 1
+    assert "hosts the multi-node rendezvous (NODE_RANK=0); set a free MASTER_PORT, the same on every node" in err
+    assert main(["--world-size", "4", f"--rendezvous-host-port={port}", *run]) == 0  # released

@@ -3,8 +3,10 @@
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
 whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
 TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path that names
-no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken) fails in a
-second with one `config error: ...` line and exit code 2, instead of in every rank's traceback.
+no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken, with
+`--rendezvous-host-port` the port node 0 of a multi-node job is to host the rendezvous on, taken,
+with `--restarts N` torchrun restarts that could not resume) fails in a second with one
+`config error: ...` line and exit code 2, instead of in every rank's traceback.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
 Torch-free.
@@ -31,14 +33,39 @@ from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
 
-USAGE = "usage: python -m trainer.config.check --world-size N [--free-port ADDR:PORT] [--section.key VALUE ...]"
+USAGE = (
+    "usage: python -m trainer.config.check --world-size N [--restarts N] "
+    "[--free-port ADDR:PORT | --rendezvous-host-port PORT] [--section.key VALUE ...]"
+)
 
 
-def check_job(argv: list[str], world_size: int) -> None:
+def check_job(argv: list[str], world_size: int, restarts: int = 0) -> None:
     cfg = load_config(argv)
     check_model_fit(cfg, Layout.from_job(cfg, world_size))
     check_dump_folder(cfg.job.dump_folder)
     check_data_files(cfg)
+    check_restarts(cfg, restarts)
+
+
+def check_restarts(cfg, restarts: int) -> None:
+    """torchrun restarts every worker with the same command after one fails (run_train.sh's
+    RESTARTS): the restart resumes, like a rerun, from the newest complete checkpoint, so it needs
+    checkpoints, and a pinned `load_step` would take it back to that step instead."""
+    if restarts == 0:
+        return
+    if not cfg.checkpoint.enable:
+        raise ConfigError(
+            f"RESTARTS={restarts}: a restarted worker resumes from the run's newest checkpoint, and "
+            "checkpoint.enable is off (a restart would train again from step 0); pass --checkpoint.enable "
+            "(checkpoint.interval bounds what a restart redoes) or unset RESTARTS"
+        )
+    if cfg.checkpoint.load_step != -1:
+        step = cfg.checkpoint.load_step
+        raise ConfigError(
+            f"RESTARTS={restarts} with checkpoint.load_step = {step}: every restart would load step {step} again, "
+            f"losing what the run trained since; drop --checkpoint.load_step (a run resumes from the newest "
+            f"complete checkpoint: move the ones after step-{step} out of the checkpoint folder) or unset RESTARTS"
+        )
 
 
 def check_model_fit(cfg, layout: Layout) -> None:
@@ -87,6 +114,33 @@ def check_free_port(address: str) -> None:
             ) from None
 
 
+def check_rendezvous_host_port(port: int) -> None:
+    """Node 0 of a multi-node job hosts the rendezvous store, which listens on MASTER_PORT on every
+    address of the node: refuse a port that another program holds, which torchrun would join and
+    wait on in silence for minutes."""
+    # The store binds the IPv6 wildcard (dual-stack) where there is one, else the IPv4 one.
+    family, wildcard = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    try:
+        s = socket.socket(family)
+    except OSError:  # IPv6 compiled in but off on this machine
+        s, wildcard = socket.socket(socket.AF_INET), "0.0.0.0"
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if s.family == socket.AF_INET6:  # both stacks, also where the system default is IPv6 only
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            s.bind((wildcard, port))
+        except OSError as e:
+            problem = (
+                "is in use on this node (another job or program listens there)" if e.errno == errno.EADDRINUSE
+                else f"cannot be listened on here ({e.strerror or e})"
+            )
+            raise ConfigError(
+                f"MASTER_PORT={port} {problem}, and this node hosts the multi-node rendezvous (NODE_RANK=0); "
+                "set a free MASTER_PORT, the same on every node"
+            ) from None
+
+
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     """The value of `--name VALUE` / `--name=VALUE` in argv, and argv without it."""
     rest, value = [], None
@@ -108,10 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     if world is None or not world.isdigit() or int(world) < 1:
         raise SystemExit(f"{USAGE}\n--world-size must be a positive integer (NNODES x NGPU), got {world!r}")
     free_port, rest = _take_option(rest, "--free-port")
+    host_port, rest = _take_option(rest, "--rendezvous-host-port")
+    restarts, rest = _take_option(rest, "--restarts")
+    if host_port is not None and not host_port.isdigit():
+        raise SystemExit(f"{USAGE}\n--rendezvous-host-port must be a port number, got {host_port!r}")
+    if restarts is not None and not restarts.isdigit():
+        raise SystemExit(f"{USAGE}\n--restarts must be a non-negative integer, got {restarts!r}")
     try:
         if free_port is not None:
             check_free_port(free_port)
-        check_job(rest, int(world))
+        if host_port is not None:
+            check_rendezvous_host_port(int(host_port))
+        check_job(rest, int(world), int(restarts or 0))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,164 @@
+"""What happens to an NGPU=2 run_train.sh job when a process of it dies by SIGKILL.
+
+- A worker: with RESTARTS=1, torchrun restarts both workers, which resume from the newest complete
+  checkpoint (saved every 2 steps) on their own and name it in the log; the job exits 0 and the
+  steps trained after the restart have the losses of the same run uninterrupted.
+- The script's whole process group (`kill -9 -- -PGID`, `timeout -s KILL`): torchrun and the
+  workers, in process groups of their own, die with it (trainer/parent_death.py) within 10 s, and
+  no checkpoint appears after that.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from trainer.checkpoint import list_checkpoints
+
+REPO = Path(__file__).resolve().parents[2]
+ARGS = [
+    "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+    "--training.deterministic", "--no-validation.enable", "--metrics.log_freq", "1", "--no-job.print_config",
+    "--checkpoint.enable",
+]
+LAUNCH_TIMEOUT_S = 300
+# The issue's bound for a run's processes to be gone once its launcher died by SIGKILL.
+ORPHAN_BOUND_S = 10
+
+
+def launch(run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
+    """NGPU=2 run_train.sh in a process group of its own, as a shell runs a foreground job."""
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "", **env}
+    return subprocess.Popen(
+        ["bash", str(REPO / "run_train.sh"), *ARGS, "--job.dump_folder", str(run_dir), *args],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        return proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"run_train.sh did not end within {LAUNCH_TIMEOUT_S} s: {proc.communicate()[0][-3000:]}") from None
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's step records in the order they were written (a restart appends)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while max((r["step"] for r in records(run_dir)), default=0) < step:
+        assert proc.poll() is None, f"ended before step {step}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within {LAUNCH_TIMEOUT_S} s"
+        time.sleep(0.1)
+
+
+def processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, start time) of every process (one /proc read each)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every process below `root` (pid and start time name a process even if
+    its pid is reused)."""
+    table = processes()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _, start) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = start
+                frontier.append(pid)
+    return found
+
+
+def alive(group: dict[int, str]) -> list[int]:
+    """The processes of `group` still running (a zombie has ended: only its exit status is left)."""
+    table = processes()
+    return [pid for pid, start in group.items() if pid in table and table[pid][2] == start and table[pid][1] != "Z"]
+
+
+def worker_of_rank(script_pid: int, rank: int) -> int:
+    for pid in descendants(script_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainer.train" in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} below {script_pid}")
+
+
+def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path):
+    args = ["--training.steps", "10", "--checkpoint.interval", "2"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    proc = launch(straight / "run", *args)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    want = {r["step"]: r["loss"] for r in records(straight / "run")}
+    assert sorted(want) == list(range(1, 11))
+
+    restarted = tmp_path / "restarted"
+    restarted.mkdir()
+    run = restarted / "run"
+    proc = launch(run, *args, RESTARTS="1")
+    wait_for_step(proc, run, 5)
+    os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "restart 1 of at most 1 (torchrun --max-restarts) after a worker failed" in out, out[-3000:]
+    resumed = [line for line in out.splitlines() if "resumed from " in line]
+    assert len(resumed) == 1, out[-3000:]
+    step = int(resumed[0].rsplit("(step ", 1)[1].split(")")[0])
+    assert step >= 4 and step % 2 == 0 and f"resumed from {run / 'checkpoint' / f'step-{step}'} (step {step})" in resumed[0]
+
+    got = records(run)
+    # The restart's records follow the first launch's, starting again after the resumed step.
+    restart_at = next(i for i in range(1, len(got)) if got[i]["step"] <= got[i - 1]["step"])
+    before, after = got[:restart_at], got[restart_at:]
+    assert before[-1]["step"] >= 5 and [r["step"] for r in after] == list(range(step + 1, 11)), [r["step"] for r in got]
+    for r in before + after:
+        assert abs(r["loss"] - want[r["step"]]) <= 1e-6, (r["step"], r["loss"], want[r["step"]])
+
+
+def test_kill_9_of_the_process_group_leaves_no_process_and_no_new_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "--training.steps", "1000", "--checkpoint.interval", "1")
+    wait_for_step(proc, run, 2)
+    group = descendants(proc.pid)
+    assert len(group) >= 4, group  # the stderr filter, torchrun and 2 workers
+    saved = max(c.step for c in list_checkpoints(run / "checkpoint"))
+    os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + ORPHAN_BOUND_S
+    # Not communicate(): orphans would hold the output pipe open.
+    proc.wait(timeout=ORPHAN_BOUND_S)
+    proc.stdout.close()
+    while alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive(group)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running {ORPHAN_BOUND_S} s after kill -9 of the script's group: {left}"
+    # A save may have been finishing as the signal came; none starts after it.
+    after = [c.step for c in list_checkpoints(run / "checkpoint")]
+    assert max(after) <= saved + 1, (saved, after)
+    time.sleep(2)
+    assert [c.step for c in list_checkpoints(run / "checkpoint")] == after
