@@ -52,6 +52,18 @@ def launch(run_dir: Path, nproc: int, args: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
+def start(run_dir: Path, args: list[str], **env: str) -> subprocess.Popen:
+    """NGPU=2 run_train.sh from ``run_dir``'s parent in a process group of its own, as a shell runs
+    a foreground job, without waiting: its output (stdout and stderr) is ``.stdout``. ``env``
+    adds to or overrides the environment (MASTER_PORT unset: one node picks a free port)."""
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "", **env}
+    return subprocess.Popen(
+        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run_dir), *args],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
     """The newest run folder's metrics.jsonl, its records merged by step."""
     records: dict[int, dict] = {}

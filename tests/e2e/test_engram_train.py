@@ -3,19 +3,17 @@ NGPU=2 ./run_train.sh` (sharded tables, offloaded optimizer state, a checkpoint)
 
 The one-process runs are in this process (tests/e2e/in_process.py)."""
 
-import json
 import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from in_process import run_main
+from in_process import metrics_by_step, run_main
 
 from models.engram import find_primes
 from trainer.config import load_config
 from trainer.diagnostics import free_port
-from trainer.run_folder import latest_run_folder
 from trainer.train import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +28,7 @@ def test_debug_engram_trains(tmp_path, capsys):
         "--validation.steps", "4", "--metrics.log_freq", "10", "--no-job.print_config",
     ) == 0
     assert "engram: layers [1, 3]" in capsys.readouterr().out
-    records = list(_records(tmp_path / "run").values())
+    records = list(metrics_by_step(tmp_path / "run").values())
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert val[30] <= 0.85 * val[0], val
     last = records[-1]
@@ -49,14 +47,6 @@ PARITY = [
 ]
 
 
-def _records(run: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in (latest_run_folder(run) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record["step"], {}).update(record)
-    return records
-
-
 def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
     env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": "train_configs/debug_engram.toml",
            "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
@@ -65,7 +55,7 @@ def _run(run: Path, nproc: int, *args: str) -> tuple[str, dict[int, dict]]:
         cwd=run.parent, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, _records(run)
+    return proc.stdout, metrics_by_step(run)
 
 
 @pytest.mark.slow
@@ -85,7 +75,7 @@ def test_two_processes_sharded_match_one_process(tmp_path):
     assert "engram 2" in sharded_out and "checkpoint step 10 saved" in sharded_out
     assert run_main(tmp_path, "--job.config_file", str(ENGRAM_CONFIG), "--job.dump_folder", str(tmp_path / "single"),
                     *PARITY) == 0
-    single = _records(tmp_path / "single")
+    single = metrics_by_step(tmp_path / "single")
     for step in range(1, 11):
         for key in ("loss", "grad_norm"):
             want = single[step][key]

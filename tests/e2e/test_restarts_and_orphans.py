@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from in_process import start
+
 from trainer.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,13 +31,8 @@ ORPHAN_BOUND_S = 10
 
 
 def launch(run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
-    """NGPU=2 run_train.sh in a process group of its own, as a shell runs a foreground job."""
-    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "", **env}
-    return subprocess.Popen(
-        ["bash", str(REPO / "run_train.sh"), *ARGS, "--job.dump_folder", str(run_dir), *args],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+    """NGPU=2 run_train.sh with this module's settings (`in_process.start`)."""
+    return start(run_dir, [*ARGS, *args], **env)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -81,9 +78,9 @@ def descendants(root: int) -> dict[int, str]:
     found, frontier = {}, [root]
     while frontier:
         parent = frontier.pop()
-        for pid, (ppid, _, start) in table.items():
+        for pid, (ppid, _, started) in table.items():
             if ppid == parent and pid not in found:
-                found[pid] = start
+                found[pid] = started
                 frontier.append(pid)
     return found
 

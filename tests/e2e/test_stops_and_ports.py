@@ -25,6 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from in_process import start
+
 from trainer.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,13 +41,8 @@ LAUNCH_TIMEOUT_S = 300
 
 
 def launch(run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
-    """NGPU=2 run_train.sh in a process group of its own, as a shell runs a foreground job."""
-    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "", **env}
-    return subprocess.Popen(
-        ["bash", str(REPO / "run_train.sh"), *ARGS, "--job.dump_folder", str(run_dir), *args],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+    """NGPU=2 run_train.sh with this module's settings (`in_process.start`)."""
+    return start(run_dir, [*ARGS, *args], **env)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
