@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import os
 import sys
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -37,15 +38,47 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_seconds: float) -> None:
     """Initialises the default process group (torchrun's env:// variables) when WORLD_SIZE > 1.
 
     gloo serves CPU tensors, NCCL CUDA tensors; on a GPU machine both backends are registered
-    (``cpu:gloo,cuda:nccl``) so small CPU-side collectives keep working.
+    (``cpu:gloo,cuda:nccl``) so small CPU-side collectives keep working. ``timeout_seconds``
+    bounds the rendezvous store's waits (joining, making every later group) and the default
+    group's collectives, until `set_collective_timeout` changes the latter.
     """
     if world_size_from_env() == 1 or is_distributed():
         return
-    dist.init_process_group(**_group_options(device))
+    dist.init_process_group(timeout=timedelta(seconds=timeout_seconds), **_group_options(device))
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """From now on, a collective of this process waits at most ``seconds`` for the other ranks, in
+    every process group it belongs to: the default group, each DeviceMesh dim's group and those
+    made with ``new_group`` (pipeline, tokenisation, async checkpoint), also those torch made
+    itself. A no-op without a process group. gloo then raises a RuntimeError naming the timeout
+    (`is_collective_timeout`); NCCL's watchdog ends the process.
+
+    Groups made later start with torch's backend default (30 min gloo, 10 min NCCL): call again.
+    torch has no public list of a process's groups; ``_world.pg_map`` (the same in torch 2.11 and
+    2.13) is the registry ``init_process_group`` and ``new_group`` fill, holding only the groups
+    this rank is in. ``ProcessGroup.set_timeout`` (both versions) sets every backend of a group
+    (gloo and NCCL), as the private ``_set_pg_timeout`` does.
+    """
+    if not is_distributed():
+        return
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        group.set_timeout(timeout)
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out: gloo's RuntimeError ("Timed out waiting
+    ...ms for recv operation"), or a c10d error (``DistError``: NCCL with blocking wait, the
+    rendezvous store) that names a timeout."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text) and (
+        isinstance(error, dist.DistError) or "gloo" in text
+    )
 
 
 def init_one_process_group(device: torch.device) -> None:

@@ -22,6 +22,7 @@ import gc
 import logging
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -60,10 +61,12 @@ from trainer.parallel import (
     exit_process,
     from_rank0,
     init_distributed,
+    is_collective_timeout,
     is_rank0,
     local_rank_from_env,
     materialize,
     parallelize_model,
+    set_collective_timeout,
 )
 from trainer.parent_death import die_with_launcher
 from trainer.profiling import Profiler, StepBreakdown
@@ -167,11 +170,21 @@ class Trainer:
                 "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
                 "use --model.attn_backend sdpa"
             )
-        init_distributed(self.device)
+        init_distributed(self.device, cfg.comm.init_timeout_seconds)
         self.parallel_dims.build_meshes(self.device.type)
+        # The meshes' groups start with torch's backend default (30 min gloo, 10 min NCCL): the
+        # build's collectives on them (a resharding load) get the start-up bound, as the default
+        # group's do.
+        self._use_collective_timeout("init_timeout_seconds")
         self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
         set_seed_and_determinism(t.seed, t.deterministic)
         self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
+
+    def _use_collective_timeout(self, key: str) -> None:
+        """Every process group of the run waits at most ``comm.<key>`` seconds in a collective from
+        now on; a timeout's message names the key."""
+        self.collective_timeout_key = key
+        set_collective_timeout(getattr(self.cfg.comm, key))
 
     def _open_run_folder(self) -> None:
         """The run folder, its log and the config's warnings."""
@@ -463,9 +476,14 @@ class Trainer:
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world
         window = ThroughputWindow(tokens_per_step / self.parallel_dims.world_size, self.flops_per_token, self.peak_flops)
+        # The groups made after the meshes (pipeline, tokenisation, async checkpoint) too: the first
+        # step compiles, and one rank may finish that much later than another.
+        self._use_collective_timeout("init_timeout_seconds")
         try:
             while self.step < t.steps and stop_reason is None:
                 stop_reason = self._train_one_step(stop, window)
+                if self.collective_timeout_key != "train_timeout_seconds":
+                    self._use_collective_timeout("train_timeout_seconds")
         except torch.OutOfMemoryError:
             self.profiler.on_oom(self.step)
             raise
@@ -558,6 +576,13 @@ def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
         # Bad paths, files or data options found while building the run: one line, no traceback.
         destroy_distributed()
         return report_user_error("error: " + " ".join(str(e).split()))
+    except RuntimeError as e:
+        if not is_collective_timeout(e):
+            raise
+        destroy_distributed()
+        return report_user_error(
+            collective_timeout_message(e, "init_timeout_seconds", cfg.comm.init_timeout_seconds, "while starting")
+        )
     except KeyboardInterrupt:  # a second Ctrl-C while starting
         destroy_distributed()
         print("interrupted while starting; nothing was trained", file=sys.stderr)
@@ -565,16 +590,35 @@ def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
     return run(trainer, stop)
 
 
+def collective_timeout_message(error: BaseException, key: str, seconds: float, when: str) -> str:
+    """The one line of a collective that timed out (``is_collective_timeout``), naming the
+    timeout in force, ``comm.<key>``, and torch's own words without gloo's source location."""
+    detail = re.sub(r"^\[[^]]*\]\s*", "", " ".join(str(error).split()))
+    return (
+        f"error: a collective waited longer than comm.{key} = {seconds:g} s {when}: another rank stopped "
+        f"calling collectives (it hangs or died) or lags this far behind. Where a rank may lag that long (slow "
+        f"checkpoint storage, a long compile), raise --comm.{key}; docs/checkpoints.md ('When a run hangs') "
+        f"finds the rank. torch: {detail[:200]}"
+    )
+
+
 def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
     """Trains a built Trainer (until `stop`, see `Trainer.train`) and closes it; returns the
-    process exit code (0 done or stopped, 2 a setting only the run could find wrong, 3 diverged,
-    130 interrupted)."""
+    process exit code (0 done or stopped, 2 a setting only the run could find wrong or a collective
+    that timed out, 3 diverged, 130 interrupted)."""
     try:
         trainer.train(stop)
     except ConfigError as e:
         # A setting that only the run itself can find wrong (e.g. a validation split smaller
         # than one global batch): one line, as at startup.
         return report_user_error(f"config error: {e}")
+    except RuntimeError as e:
+        if not is_collective_timeout(e):
+            raise
+        key = trainer.collective_timeout_key
+        return report_user_error(
+            collective_timeout_message(e, key, getattr(trainer.cfg.comm, key), f"at step {trainer.step}")
+        )
     except KeyboardInterrupt:
         logger.warning("interrupted at step %d; exiting", trainer.step)
         return 130

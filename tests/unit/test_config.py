@@ -90,9 +90,11 @@ def test_defaults_match_contract():
     assert cfg.lr_scheduler.decay_ratio is None
     assert cfg.parallelism.dp_shard == -1
     assert cfg.activation_checkpoint.mode == "none"
+    # torchtitan's: start-up and the first step (compiling) may take minutes, a step's collective not.
+    assert (cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds) == (300, 100)
     assert set(sections_of(JobConfig)) == {
         "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics",
-        "validation", "checkpoint", "parallelism", "activation_checkpoint", "profiling", "quantize",
+        "validation", "checkpoint", "parallelism", "comm", "activation_checkpoint", "profiling", "quantize",
     }
 
 
@@ -390,6 +392,9 @@ def test_toml_syntax_error(tmp_path):
         (["--optimizer.lr", "0"], "optimizer.lr must be > 0"),
         (["--optimizer.beta2", "1"], "optimizer.beta2 must be in [0, 1)"),
         (["--activation_checkpoint.selective_every", "0"], "activation_checkpoint.selective_every must be >= 1"),
+        (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds must be a number of seconds > 0, got 0.0"),
+        (["--comm.train_timeout_seconds", "-5"], "comm.train_timeout_seconds must be a number of seconds > 0"),
+        (["--comm.train_timeout_seconds", "inf"], "comm.train_timeout_seconds must be a number of seconds > 0"),
     ],
 )
 def test_validate(argv, expected):

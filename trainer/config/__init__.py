@@ -14,6 +14,7 @@ from trainer.config.loader import format_help, from_dict, load_config
 from trainer.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Engram,
     Job,
     JobConfig,
@@ -31,6 +32,7 @@ from trainer.config.schema import (
 __all__ = [
     "ActivationCheckpoint",
     "Checkpoint",
+    "Comm",
     "ConfigError",
     "Engram",
     "Job",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -355,6 +356,29 @@ class Parallelism(Section):
         return degree_problems(self)
 
 
+@dataclass
+class Comm(Section):
+    init_timeout_seconds: float = option(
+        300.0, "Longest wait of any collective until the first step has finished: process-group start-up, the "
+        "build, the checkpoint load and the first step (which compiles)"
+    )
+    train_timeout_seconds: float = option(
+        100.0, "Longest wait of any collective after the first step: a rank that lags the others by more (it hung, "
+        "died or is that slow) ends the run with one line naming this key"
+    )
+
+    def problems(self) -> list[str]:
+        return failed_checks(
+            *(
+                (
+                    math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
+                    f"comm.{key} must be a number of seconds > 0, got {getattr(self, key)}.",
+                )
+                for key in ("init_timeout_seconds", "train_timeout_seconds")
+            ),
+        )
+
+
 ACMode = Literal["none", "full", "selective", "op"]
 
 
@@ -436,6 +460,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)

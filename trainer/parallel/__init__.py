@@ -8,8 +8,10 @@ from trainer.distributed import (
     exit_process,
     from_rank0,
     init_distributed,
+    is_collective_timeout,
     is_rank0,
     local_rank_from_env,
+    set_collective_timeout,
 )
 from trainer.parallel.parallel_dims import ParallelDims, ParallelDimsError
 from trainer.parallel.parallelize import build_loss_function, materialize, parallelize_model
@@ -25,8 +27,10 @@ __all__ = [
     "exit_process",
     "from_rank0",
     "init_distributed",
+    "is_collective_timeout",
     "is_rank0",
     "local_rank_from_env",
     "materialize",
     "parallelize_model",
+    "set_collective_timeout",
 ]
