@@ -612,6 +612,10 @@ def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
         # A setting that only the run itself can find wrong (e.g. a validation split smaller
         # than one global batch): one line, as at startup.
         return report_user_error(f"config error: {e}")
+    except TrainingDiverged as e:  # a RuntimeError: before the timeout clause
+        logger.error("%s; %s. Lower the learning rate for the rerun, or check the data near this step.",
+                     e, trainer.checkpointer.newest_good())
+        return 3
     except RuntimeError as e:
         if not is_collective_timeout(e):
             raise
@@ -622,10 +626,6 @@ def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
     except KeyboardInterrupt:
         logger.warning("interrupted at step %d; exiting", trainer.step)
         return 130
-    except TrainingDiverged as e:
-        logger.error("%s; %s. Lower the learning rate for the rerun, or check the data near this step.",
-                     e, trainer.checkpointer.newest_good())
-        return 3
     finally:
         trainer.close()
     return 0
