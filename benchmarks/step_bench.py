@@ -54,8 +54,9 @@ from trainer.config import load_config
 from trainer.data import build_tokenizer
 from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_step, weight_cast_bytes
 from trainer.memory import estimate
+from trainer.model_args import build_model_args
 from trainer.runtime import resolve_path
-from trainer.train import Trainer, build_model_args
+from trainer.train import Trainer
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -78,6 +79,19 @@ def is_collective_timeout(error: BaseException) -> bool:
     text = str(error).lower()
     return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text) and (
         isinstance(error, dist.DistError) or "gloo" in text
+    )
+
+
+def collective_timeout_message(error: BaseException, key: str, seconds: float, when: str) -> str:
+    """The one line of a collective that timed out (`is_collective_timeout`), naming the
+    timeout in force, ``comm.<key>`` (the trainer's ``[comm]`` section), and torch's own words
+    without gloo's source location."""
+    detail = re.sub(r"^\[[^]]*\]\s*", "", " ".join(str(error).split()))
+    return (
+        f"error: a collective waited longer than comm.{key} = {seconds:g} s {when}: another rank stopped "
+        f"calling collectives (it hangs or died) or lags this far behind. Where a rank may lag that long (slow "
+        f"checkpoint storage, a long compile), raise --comm.{key}; docs/checkpoints.md ('When a run hangs') "
+        f"finds the rank. torch: {detail[:200]}"
     )
 
 

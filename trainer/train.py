@@ -16,31 +16,33 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from models.deepseek_v3 import (
-    DeepSeekV3Model,
-    DeepSeekV3ModelArgs,
-    count_params,
-    flavor_names,
-    flops_per_token,
-    get_flavor,
-)
-from models.engram import EngramArgs, NgramHasher, build_token_compression, engram_metrics
+from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, count_params, flops_per_token
+from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data import build_dataloader, build_tokenizer
+from trainer.distributed import (
+    collective_timeout_message,
+    destroy_distributed,
+    exit_process,
+    from_rank0,
+    init_distributed,
+    is_collective_timeout,
+    is_rank0,
+    local_rank_from_env,
+    set_collective_timeout,
+)
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
@@ -53,21 +55,9 @@ from trainer.metrics import (
     peak_flops_for,
     peak_memory_gib,
 )
+from trainer.model_args import build_model_args, resolve_flavor
 from trainer.optim import ExpertBiasUpdater, build_optimizer
-from trainer.parallel import (
-    ParallelDims,
-    build_loss_function,
-    destroy_distributed,
-    exit_process,
-    from_rank0,
-    init_distributed,
-    is_collective_timeout,
-    is_rank0,
-    local_rank_from_env,
-    materialize,
-    parallelize_model,
-    set_collective_timeout,
-)
+from trainer.parallel import ParallelDims, build_loss_function, materialize, parallelize_model
 from trainer.parent_death import die_with_launcher
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.qk_clip import QKClip
@@ -84,49 +74,6 @@ from trainer.step_hooks import StepHook
 from trainer.validate import Validator
 
 logger = logging.getLogger("trainer")
-
-def resolve_flavor(cfg: JobConfig) -> DeepSeekV3ModelArgs:
-    try:
-        return get_flavor(cfg.model.flavor)
-    except ValueError as e:
-        raise ConfigError(f"model.flavor: {e} (available: {', '.join(flavor_names())})") from None
-
-
-def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3ModelArgs:
-    """Resolves the flavor and every config-derived model value once, before the build."""
-    args = resolve_flavor(cfg)
-    m = cfg.model
-    moe = dataclasses.replace(
-        args.moe,
-        use_grouped_mm=m.use_grouped_mm,
-        seq_aux_loss_alpha=m.moe_aux_loss_alpha,
-        load_balance_coeff=m.moe_bias_update_speed if m.moe_bias_update_speed > 0 else None,
-    )
-    engram = build_engram_args(cfg) if cfg.engram.enable else None
-    try:
-        return dataclasses.replace(
-            args,
-            moe=moe,
-            vocab_size=vocab_size,
-            eos_id=eos_id,
-            max_seq_len=cfg.training.seq_len,
-            attn_backend=m.attn_backend,
-            attn_mask_type=m.attn_mask_type,
-            rope_type="default" if m.disable_yarn else args.rope_type,
-            mtp_depth=m.mtp_depth_for(args.mtp_depth),
-            engram=engram,
-        )
-    except ValueError as e:
-        raise ConfigError(f"[model] options do not fit flavor {cfg.model.flavor!r}: {e}") from None
-
-
-def build_engram_args(cfg: JobConfig) -> EngramArgs:
-    e = cfg.engram
-    return EngramArgs(
-        layer_ids=tuple(e.layer_ids), max_ngram=e.max_ngram, heads_per_order=e.heads_per_order,
-        base_size=e.base_size, head_dim=e.head_dim, seed=e.seed,
-    )
-
 
 class Trainer:
     """The pieces of one run, built in phases: the process and its run folder, the model, the
@@ -588,18 +535,6 @@ def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
         print("interrupted while starting; nothing was trained", file=sys.stderr)
         return 130
     return run(trainer, stop)
-
-
-def collective_timeout_message(error: BaseException, key: str, seconds: float, when: str) -> str:
-    """The one line of a collective that timed out (``is_collective_timeout``), naming the
-    timeout in force, ``comm.<key>``, and torch's own words without gloo's source location."""
-    detail = re.sub(r"^\[[^]]*\]\s*", "", " ".join(str(error).split()))
-    return (
-        f"error: a collective waited longer than comm.{key} = {seconds:g} s {when}: another rank stopped "
-        f"calling collectives (it hangs or died) or lags this far behind. Where a rank may lag that long (slow "
-        f"checkpoint storage, a long compile), raise --comm.{key}; docs/checkpoints.md ('When a run hangs') "
-        f"finds the rank. torch: {detail[:200]}"
-    )
 
 
 def run(trainer: Trainer, stop: StopRequest | None = None) -> int:

@@ -14,7 +14,7 @@ from in_process import metrics_by_step, run_main
 from models.engram import find_primes
 from trainer.config import load_config
 from trainer.diagnostics import free_port
-from trainer.train import build_model_args
+from trainer.model_args import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 ENGRAM_CONFIG = REPO / "train_configs/debug_engram.toml"

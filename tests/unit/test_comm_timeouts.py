@@ -1,12 +1,11 @@
 """[comm] timeouts, the pure parts: which errors are collective timeouts (trainer/distributed.py
-`is_collective_timeout`) and their one line (trainer/train.py `collective_timeout_message`). The
+`is_collective_timeout`) and their one line (trainer/distributed.py `collective_timeout_message`). The
 run that times out is tests/distributed/test_collective_timeout.py."""
 
 import pytest
 import torch.distributed as dist
 
-from trainer.distributed import is_collective_timeout, set_collective_timeout
-from trainer.train import collective_timeout_message
+from trainer.distributed import collective_timeout_message, is_collective_timeout, set_collective_timeout
 
 # torch 2.13's gloo, as raised on CPU when a peer never joins a collective.
 GLOO = (

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, load_config
+from trainer.model_args import build_model_args
 from trainer.parallel.parallel_dims import ParallelDims
-from trainer.train import build_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 

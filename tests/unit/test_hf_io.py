@@ -281,7 +281,7 @@ def test_transformers_loads_export_without_unexpected_keys(tmp_path):
 @pytest.mark.parametrize("seq_len", [128, 4096, 8192])
 def test_trainer_keeps_the_flavors_yarn_at_any_seq_len_unless_disabled(seq_len):
     from trainer.config import load_config
-    from trainer.train import build_model_args
+    from trainer.model_args import build_model_args
 
     argv = ["--model.flavor", "671B", "--training.seq_len", str(seq_len)]
     args = build_model_args(load_config(argv), 129280, 1)
