@@ -171,14 +171,19 @@ def test_other_world_size_continues_the_rank_that_read_the_same_shard(tmp_path, 
         assert torch.equal(value, c.model.state_dict()[key]), key
 
 
-def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch):
-    # A Trainer built earlier in this process stops the run logger from propagating to the root.
-    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+def _saved_two_steps(tmp_path):
+    """A run that trained and saved steps 1 and 2; and its weights at step 2."""
     a = build(tmp_path)
     for step in (1, 2):
         train_step(a, step)
         a.mgr.maybe_save(step, {"step": step})
-    reference = {k: v.clone() for k, v in a.model.state_dict().items()}
+    return a, {k: v.clone() for k, v in a.model.state_dict().items()}
+
+
+def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch):
+    # A Trainer built earlier in this process stops the run logger from propagating to the root.
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    a, reference = _saved_two_steps(tmp_path)
     train_step(a, 3)
     a.mgr.maybe_save(3, {"step": 3})
     folder = tmp_path / "checkpoint"
@@ -256,11 +261,7 @@ DAMAGED_MARKERS = {
 @pytest.mark.parametrize("damage", DAMAGED_MARKERS)
 def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkeypatch, damage):
     monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
-    a = build(tmp_path)
-    for step in (1, 2):
-        train_step(a, step)
-        a.mgr.maybe_save(step, {"step": step})
-    reference = {k: v.clone() for k, v in a.model.state_dict().items()}
+    _, reference = _saved_two_steps(tmp_path)
     folder = tmp_path / "checkpoint"
     # A damaged newer checkpoint: step-2's files (intact) under step-9, whose marker is damaged.
     shutil.copytree(folder / "step-2", folder / "step-9")

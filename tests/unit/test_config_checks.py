@@ -1,6 +1,7 @@
 """Config checks that need no torch: cross-section combinations, warnings, foreign option names,
 and the pre-launch check `python -m trainer.config.check` that run_train.sh runs."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -190,12 +191,18 @@ def test_config_files_must_be_utf8_without_bom(tmp_path):
         load_config(["--config", str(latin)])
 
 
-def test_prelaunch_check_refuses_a_taken_port(capsys, tmp_path):
-    run = ["--job.dump_folder", str(tmp_path / "run")]
+@contextlib.contextmanager
+def _held_port():
+    """A loopback port another program listens on, while the block runs."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
+        yield holder.getsockname()[1]
+
+
+def test_prelaunch_check_refuses_a_taken_port(capsys, tmp_path):
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    with _held_port() as port:
         assert main(["--world-size", "2", "--free-port", f"127.0.0.1:{port}", *run]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"config error: MASTER_PORT={port} is in use on MASTER_ADDR=127.0.0.1") and "unset MASTER_PORT" in err
@@ -205,10 +212,7 @@ def test_prelaunch_check_refuses_a_taken_port(capsys, tmp_path):
 def test_prelaunch_check_refuses_a_taken_port_on_the_multinode_rendezvous_host(capsys, tmp_path):
     # Node 0 hosts the store on every address of the node: a listener on loopback alone takes it.
     run = ["--job.dump_folder", str(tmp_path / "run")]
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    with _held_port() as port:
         assert main(["--world-size", "4", "--rendezvous-host-port", str(port), *run]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"config error: MASTER_PORT={port} is in use on this node") and err.count("\n") == 1

@@ -93,25 +93,37 @@ def check_data_files(cfg) -> None:
                 raise ConfigError(f"{section}.dataset_path: {e}") from None
 
 
+def _bind_error(family: socket.AddressFamily, host: str, port: int) -> OSError | None:
+    """Why this node could not listen on host:port as torchrun's rendezvous store would, or None.
+    SO_REUSEADDR as the store sets it: a port left in TIME_WAIT by an earlier run is free. On the
+    IPv6 wildcard the socket takes both stacks, also where the system default is IPv6 only."""
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
 def check_free_port(address: str) -> None:
     """A single-node run's rendezvous listens on MASTER_ADDR:MASTER_PORT: refuse a port that is
     taken: torchrun would join whatever listens there and wait in silence for minutes."""
     host, _, port = address.rpartition(":")
     fix = "unset MASTER_PORT to let run_train.sh pick a free port, or set another one"
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        # As the rendezvous store does: a port left in TIME_WAIT by an earlier run is free.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"MASTER_PORT={port} is in use on MASTER_ADDR={host} (another job or program listens there); {fix}"
-                ) from None
-            raise ConfigError(
-                f"MASTER_ADDR={host} MASTER_PORT={port}: a single-node run cannot listen there ({e.strerror or e}); "
-                f"{fix}, and leave MASTER_ADDR unset (127.0.0.1) or give an address of this machine"
-            ) from None
+    e = _bind_error(socket.AF_INET6 if ":" in host else socket.AF_INET, host, int(port))
+    if e is None:
+        return
+    if e.errno == errno.EADDRINUSE:
+        raise ConfigError(
+            f"MASTER_PORT={port} is in use on MASTER_ADDR={host} (another job or program listens there); {fix}"
+        )
+    raise ConfigError(
+        f"MASTER_ADDR={host} MASTER_PORT={port}: a single-node run cannot listen there ({e.strerror or e}); "
+        f"{fix}, and leave MASTER_ADDR unset (127.0.0.1) or give an address of this machine"
+    )
 
 
 def check_rendezvous_host_port(port: int) -> None:
@@ -119,26 +131,20 @@ def check_rendezvous_host_port(port: int) -> None:
     address of the node: refuse a port that another program holds, which torchrun would join and
     wait on in silence for minutes."""
     # The store binds the IPv6 wildcard (dual-stack) where there is one, else the IPv4 one.
-    family, wildcard = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
     try:
-        s = socket.socket(family)
-    except OSError:  # IPv6 compiled in but off on this machine
-        s, wildcard = socket.socket(socket.AF_INET), "0.0.0.0"
-    with s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if s.family == socket.AF_INET6:  # both stacks, also where the system default is IPv6 only
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        try:
-            s.bind((wildcard, port))
-        except OSError as e:
-            problem = (
-                "is in use on this node (another job or program listens there)" if e.errno == errno.EADDRINUSE
-                else f"cannot be listened on here ({e.strerror or e})"
-            )
-            raise ConfigError(
-                f"MASTER_PORT={port} {problem}, and this node hosts the multi-node rendezvous (NODE_RANK=0); "
-                "set a free MASTER_PORT, the same on every node"
-            ) from None
+        e = _bind_error(socket.AF_INET6, "::", port) if socket.has_ipv6 else _bind_error(socket.AF_INET, "0.0.0.0", port)
+    except OSError:  # IPv6 compiled in but off on this machine: no socket of that family
+        e = _bind_error(socket.AF_INET, "0.0.0.0", port)
+    if e is None:
+        return
+    problem = (
+        "is in use on this node (another job or program listens there)" if e.errno == errno.EADDRINUSE
+        else f"cannot be listened on here ({e.strerror or e})"
+    )
+    raise ConfigError(
+        f"MASTER_PORT={port} {problem}, and this node hosts the multi-node rendezvous (NODE_RANK=0); "
+        "set a free MASTER_PORT, the same on every node"
+    )
 
 
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
