@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -140,6 +140,14 @@ class StepMemTracker(MemTracker):
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             return
         super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """The device's peak only: torch's also walks every module's statistics at every operator,
+        most of a dry run's time."""
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
 
 
 class BalancedSplitDispatcher(AllToAllTokenDispatcher):
@@ -377,7 +385,9 @@ def _report(trainer: DryRunTrainer, rank: int, step: dict, notes: list[str], bui
     if balanced:
         notes = [*notes, "all-to-all split sizes: the balanced split (every ep rank sends each an equal share; the "
                  "estimator's assumption): the routing's counts are data, which fake tensors do not hold"]
-    est = {k: v["gib"]["total"] for k, v in trainer.estimates.items()}
+    # The estimator's figure for this rank's pipeline position (its fullest rank's without pp).
+    pp_rank = dims.mesh("pp").get_local_rank() if dims.pp_enabled else 0
+    est = {k: v.get("gib_per_pp_rank", [v["gib"]["total"]])[pp_rank] for k, v in trainer.estimates.items()}
     return {
         "rank": rank, "world_size": dims.world_size, "layout": dims.describe(), "stages": stages,
         "flavor": trainer.cfg.model.flavor, "memory_gib": step["memory"], "collectives": step["collectives"],

@@ -158,6 +158,7 @@ def estimate(
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pp: int = 1, pp_schedule: str = "1F1B", pp_stages_per_rank: int = 1,
     pp_microbatches: int = 1, pp_layout: str = "", optimizer: str = "AdamW", state_dtype: str = "float32",
+    stage_costs: PipelineCosts | None = None,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -169,7 +170,9 @@ def estimate(
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
     of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
     zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
-    the fullest rank's, with every rank's total in ``gib_per_pp_rank``."""
+    the fullest rank's, with every rank's total in ``gib_per_pp_rank``. ``stage_costs``: the
+    model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
+    estimates many layouts of one model; computing them builds the model on the meta device)."""
     a = model_args or get_flavor(flavor)
     if seq_len % (2 * cp) and cp > 1:
         raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
@@ -188,7 +191,7 @@ def estimate(
     if local_batch_size % pp_microbatches:
         raise ValueError(f"pp_microbatches={pp_microbatches} must divide local_batch_size={local_batch_size}")
     n_stages = pp * pp_stages_per_rank
-    costs = PipelineCosts(**stage_unit_costs(a, seq_len))
+    costs = stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len))
     specs = split_stages(a.n_layers, a.mtp_depth, n_stages, pp_layout, costs, stage_ranks(pp_schedule, pp, n_stages))
     in_flight = min(pp, pp_microbatches)
     ranks = []
