@@ -30,6 +30,7 @@ first stage and the one holding the last (one rank under a V schedule, where the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,8 +47,10 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, JobConfig
@@ -132,10 +135,31 @@ def _group_size(arg) -> int | None:
     return None
 
 
+class _GradSafeModTracker(ModTracker):
+    """torch's ``ModTracker`` without its backward hook on leaf inputs: a zero-bubble schedule's
+    input-gradient pass (``torch.autograd.grad`` over a stage's received activations, which are
+    leaves) refuses a gradient hook on a leaf. Such a module's end of backward is then marked at
+    the end of the backward pass, as torch marks a module without inputs that need gradients."""
+
+    def _fw_pre_hook(self, mod, input):
+        leaves = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
+        for leaf in leaves:
+            leaf.requires_grad_(False)
+        try:
+            super()._fw_pre_hook(mod, input)
+        finally:
+            for leaf in leaves:
+                leaf.requires_grad_(True)
+
+
 class StepMemTracker(MemTracker):
     """torch's ``MemTracker`` over a step that runs the model (or a pipeline stage) once per
     micro-batch: its module statistics, which this report does not use, refuse a second forward of
     a root module. Tensors are tracked as before: the module's parameters were at its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self._mod_tracker = _GradSafeModTracker()
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -288,35 +312,47 @@ class DryRunTrainer(Trainer):
             schedule._warmup_p2p = _static_warmup(schedule)
         batches = self.fake_batches()
         self._create_optimizer_states()
-        tracker = StepMemTracker()
-        recorder = CollectiveRecorder(tracker)
-        tracker.track_external(self.model, self.optimizer)
-        own = _snapshot(tracker, "current")  # this rank's parameter shards and buffers
         # DTensor derives an operator's global output shape by running it on whole-size fake tensors,
         # in the fake mode it finds active: ours, where the tracker would count them (a 256-expert
         # weight of 671B is 14 GiB). Found no fake mode, it makes one of its own, which the tracker
         # ignores (it counts only ops of the mode it was entered in).
         own_propagation = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
-        with self.fake_mode, Float32GroupedMM(), tracker, recorder, own_propagation:
-            self.train_step(batches)
-        peak = _snapshot(tracker, "peak")
-        held = own.get("Parameter", 0) + own.get("Buffer", 0)
-        gib = {
-            "params": held,
-            "grads": peak.get("Gradient", 0),
-            "optimizer_states": peak.get("Optstate", 0),
-            "activations": peak.get("Activation", 0),
-            "temporaries": peak.get("Temp", 0),
-            # Parameters gathered from other ranks (FSDP's unsharded blocks) and FSDP's flat buffers.
-            "comm_buffers": peak.get("Parameter", 0) + peak.get("Buffer", 0) - held + peak.get("Other", 0),
-            "total": peak.get("Total", 0),
-        }
-        return {"memory": {k: v / GiB for k, v in gib.items()}, "collectives": recorder.summary()}
+        memory, collectives = track_step(self, batches, self.fake_mode, Float32GroupedMM(), own_propagation)
+        return {"memory": memory, "collectives": collectives}
 
     def close(self) -> None:
         self.checkpointer.close()
         dist.destroy_process_group()
         self.work_dir.cleanup()
+
+
+def track_step(trainer: Trainer, batches, *contexts) -> tuple[dict[str, float], list[dict]]:
+    """``trainer.train_step(batches)`` under the memory tracker and the collective recorder, inside
+    ``contexts`` (the dry run's fake mode; none for a real run): the peak GiB by category and the
+    collectives. The same code measures a dry run and a real run (tests/distributed/test_dry_run.py)."""
+    tracker = StepMemTracker()
+    recorder = CollectiveRecorder(tracker)
+    tracker.track_external(trainer.model, trainer.optimizer)
+    own = _snapshot(tracker, "current")  # this rank's parameter shards and buffers
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        stack.enter_context(tracker)
+        stack.enter_context(recorder)
+        trainer.train_step(batches)
+    peak = _snapshot(tracker, "peak")
+    held = own.get("Parameter", 0) + own.get("Buffer", 0)
+    gib = {
+        "params": held,
+        "grads": peak.get("Gradient", 0),
+        "optimizer_states": peak.get("Optstate", 0),
+        "activations": peak.get("Activation", 0),
+        "temporaries": peak.get("Temp", 0),
+        # Parameters gathered from other ranks (FSDP's unsharded blocks) and FSDP's flat buffers.
+        "comm_buffers": peak.get("Parameter", 0) + peak.get("Buffer", 0) - held + peak.get("Other", 0),
+        "total": peak.get("Total", 0),
+    }
+    return {k: v / GiB for k, v in gib.items()}, recorder.summary()
 
 
 def _snapshot(tracker: MemTracker, kind: str) -> dict[str, int]:
