@@ -2,7 +2,8 @@
 the memory estimator fits on the GPUs, ranked by the step-time model (trainer/step_time.py).
 
 Candidates: pp over the divisors of N that leave every stage a block, with each schedule
-(1F1B, Interleaved1F1B with 2 or 4 stages per rank, ZBVZeroBubble, DualPipeV) and 1, 2 or 4
+(1F1B, Interleaved1F1B with 2 or 4 stages per rank, InterleavedZeroBubble, ZBVZeroBubble,
+DualPipeV) and 1, 2 or 4
 micro-batches per stage of the run; tp up to a node (it divides the heads), cp 1, 2 or 4;
 dp_replicate among the divisors of what is left; ep over the divisors of dp_shard x cp that divide
 the experts; activation checkpointing none or full; without pp, the micro-batch rows among 1, 2, 4
@@ -32,9 +33,12 @@ from trainer.config.pipeline_layout import (
 from trainer.memory import estimate
 from trainer.step_time import Hardware, Plan, step_time
 
-# Schedules and their stages per rank; the rest of torch's are dominated by one of these
-# (GPipe by 1F1B's memory, LoopedBFS and InterleavedZeroBubble by Interleaved1F1B and ZBV).
-SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+# Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
+# 1F1B's memory, LoopedBFS by Interleaved1F1B's bubble).
+SCHEDULES = (
+    ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+)
 # GiB a GPU keeps outside torch's tensors: CUDA context, NCCL buffers, fragmentation
 # (scripts/estimate_memory.py's allowance).
 RESERVE_GIB = 6.0
