@@ -146,7 +146,7 @@ def plan_layouts(
             pipeline = dict(pp=plan.pp, pp_schedule=plan.schedule, pp_stages_per_rank=plan.stages_per_rank,
                             pp_microbatches=plan.microbatches, pp_layout=splits[key])
         memory = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                          **pipeline)["gib"]["total"]
+                          stage_costs=costs, **pipeline)["gib"]["total"]
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
         ranked.append(Ranked(plan, memory, step_time(args, plan, hardware)))
