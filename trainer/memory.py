@@ -22,7 +22,11 @@ also keep the parameters unsharded after forward (``reshard_after_forward=False`
 their split backward), in the compute dtype: ZeRO-2 within a step. Those parameters replace the
 all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer stays. Both are
 counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
-writes while the last accumulators are still held.
+writes while the last accumulators are still held. A stage's backward temporaries (the embedding
+and head gradients) arise while the other in-flight micro-batches' activations are held, so under
+pp they add to the forward side; 1F1B's rank r keeps pp - r micro-batches in flight, the other
+schedules up to pp (both measured by the dry run, trainer/dry_run.py). Not modelled: a zero-bubble
+schedule keeps a checkpointed block's recomputed activations until its weight pass.
 
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
@@ -193,14 +197,17 @@ def estimate(
     n_stages = pp * pp_stages_per_rank
     costs = stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len))
     specs = split_stages(a.n_layers, a.mtp_depth, n_stages, pp_layout, costs, stage_ranks(pp_schedule, pp, n_stages))
-    in_flight = min(pp, pp_microbatches)
     ranks = []
     for rank in range(pp):
         mine = rank_stages(specs, pp_schedule, pp, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
+        # 1F1B's warm-up: rank r runs pp - r forwards before its first backward (the last rank
+        # holds one micro-batch; measured by the dry run, docs/performance.md); the other
+        # schedules up to pp.
+        depth = pp - rank if pp_schedule == "1F1B" else pp
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // pp_microbatches, in_flight, pipelined=True,
+            local_batch_size // pp_microbatches, min(depth, pp_microbatches), pipelined=True,
             zero_bubble=pp_schedule in ZERO_BUBBLE_SCHEDULES, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
@@ -301,9 +308,13 @@ def _estimate_share(
     g = result["gib"]
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
     held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
-    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + max(
-        g["grads"] + g["backward_temporaries"], forward + g["attention_mask"]
-    )
+    if pipelined:
+        # A stage's backward (its embedding / head gradient temporaries) runs while the other
+        # in-flight micro-batches' activations are held: the two add up (the dry run's peak).
+        peak = g["backward_temporaries"] + max(g["grads"], forward + g["attention_mask"])
+    else:
+        peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"])
+    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + peak
     return result
 
 
