@@ -70,7 +70,7 @@ logger = logging.getLogger("trainer")
 # The c10d operators a collective reaches the dispatcher as (torch.distributed's calls and
 # ProcessGroup methods: "c10d"; DTensor and funcol: "_c10d_functional", with autograd).
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_NOT_COLLECTIVES = {"wait_tensor", "wait", "monitored_barrier_"}
+_NOT_COLLECTIVES = {"wait_tensor", "wait", "monitored_barrier_", "_wrap_tensor_autograd"}
 # The argument of FSDP2's collectives that is its communication buffer.
 _FSDP_BUFFERS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
 
@@ -391,14 +391,15 @@ def rehearsal_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
 
 
 def dry_run(cfg: JobConfig) -> list[dict]:
-    """Rehearses ``default_ranks(cfg)``; returns one report per rank (also printed). Several ranks
-    run one after the other, each in a fresh process: torch keeps state of a destroyed process
-    group's meshes that a second fake world in the same process would trip over."""
+    """Rehearses ``default_ranks(cfg)``; returns one report per rank (also printed). Rank 0 alone
+    runs in this process; other ranks run one after the other, each in a fresh process: torch keeps
+    state of a destroyed process group's meshes that a fake world of another rank in the same
+    process trips over ("Could not resolve the process group registered under the name ...")."""
     check_model_fit(cfg, Layout.from_job(cfg, cfg.dry_run.world_size))  # run_train.sh's pre-launch check
     cfg, notes = rehearsal_config(cfg)
     ranks = default_ranks(cfg)
-    if len(ranks) == 1:
-        reports = [rehearse_rank(cfg, ranks[0], notes)]
+    if ranks == [0]:
+        reports = [rehearse_rank(cfg, 0, notes)]
     else:
         reports = []
         for rank in ranks:

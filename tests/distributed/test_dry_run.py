@@ -1,8 +1,8 @@
 """The dry run (trainer/dry_run.py): the Trainer's real build for one rank of a large world on
 the fake process group, its step under fake tensors, and its report checked against a real run.
 
-Each dry run builds the debug model in this process (a fake process group is made and destroyed
-per run; a pipeline's second rank would run in a fresh process, so these tests name one rank).
+A dry run of rank 0 builds the debug model in this process (a fake process group is made and
+destroyed per run); another rank runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ def _pairs(collectives: list[dict]) -> Counter:
 @pytest.mark.parametrize(
     "world, args, stages",
     [
-        pytest.param(8, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--parallelism.tp", "2"], [], id="8"),
+        pytest.param(8, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--parallelism.tp", "2"], [], id="8",
+                     marks=pytest.mark.slow),
         pytest.param(64, ["--parallelism.dp_shard", "32", "--parallelism.ep", "8", "--parallelism.cp", "2"], [],
                      id="64", marks=pytest.mark.slow),
-        # A V schedule: rank 0 holds the first and the last stage.
+        # V schedules: rank 0 holds the first and the last stage (the default ranks of the others:
+        # test_default_ranks_are_the_first_and_last_stage_holders).
         pytest.param(8, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard",
                          "4", "--parallelism.ep", "2", "--training.local_batch_size", "4"], [0, 3], id="8_pp",
                      marks=pytest.mark.slow),
-        pytest.param(64, ["--parallelism.pp", "2", "--parallelism.dp_shard", "32", "--parallelism.ep", "8",
-                          "--training.local_batch_size", "4", "--dry_run.rank", "32"], [1], id="64_pp",
+        pytest.param(64, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.dp_shard",
+                          "32", "--parallelism.ep", "8", "--training.local_batch_size", "4"], [0, 3], id="64_pp",
                      marks=pytest.mark.slow),
     ],
 )
