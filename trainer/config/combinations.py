@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from trainer.config.fields import cli_repr, default_of
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+from trainer.config.pipeline_layout import PipelinePlan
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -64,11 +64,11 @@ def combination_problems(cfg: Any) -> list[str]:
             "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
             "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
         )
-    p = cfg.parallelism
-    if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+    plan = PipelinePlan.from_config(cfg.parallelism)
+    if plan.enabled and t.compile and plan.zero_bubble:
         # docs/compile.md, "Zero-bubble schedules": measured wrong or failing, and no faster.
         problems.append(
-            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, and a "
+            f"parallelism.pp_schedule = {plan.pp_schedule!r} splits each backward into input and weight passes, and a "
             "compiled block is one autograd node whose whole backward the weight pass would run again (inductor "
             "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
             "drop --training.compile."

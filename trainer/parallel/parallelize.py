@@ -25,7 +25,7 @@ from torch import nn
 
 from models.engram import NgramHasher, engram_table_params
 from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES, StageSpec
+from trainer.config.pipeline_layout import StageSpec
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.compile import compiled_cross_entropy_sum
@@ -145,12 +145,12 @@ def parallelize_stage(
         return ParallelizedStage(context_parallel, stages, None, False)
     param_dtype = DTYPES[training.mixed_precision_param]
     reshard = "never" if one_process_cast else parallelism.fsdp_reshard_after_forward
-    if stages is not None and dims.pp_schedule in ZERO_BUBBLE_SCHEDULES and reshard != "never":
+    if stages is not None and dims.pipeline.zero_bubble and reshard != "never":
         logger.info(
             "pipeline %s: FSDP keeps every unit's parameters gathered from forward to the step's gradient "
             "reduction (reshard_after_forward=False, torch's split backward needs them), so both local "
             "stages hold unsharded %s parameters and fp32 gradient accumulators through the step (ZeRO-2-like)",
-            dims.pp_schedule, training.mixed_precision_param,
+            dims.pipeline.pp_schedule, training.mixed_precision_param,
         )
         reshard = "never"
     if one_process_cast:
@@ -185,8 +185,8 @@ def build_step(
             model, dims, stage.context_parallel, keep_weights_between_microbatches=stage.one_process_cast,
             engram_hasher=engram_hasher,
         )
-    if dims.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-        check_zero_bubble_stages(stage.stages, dims.pp_schedule)
+    if dims.pipeline.zero_bubble:
+        check_zero_bubble_stages(stage.stages, dims.pipeline.pp_schedule)
     activation = activation_meta(training, dims, model.args.dim, stage.param_dtype)
     return PipelineStep(
         model, dims, stage.stages, activation, context_parallel=stage.context_parallel, engram_hasher=engram_hasher
