@@ -7,21 +7,25 @@ FSDP's strided shards on top of the expert shards, efsdp 2), TP 2 the single pro
 continues the single process's steps 4-6 (rel 1e-5). So every layout's Muon steps, with their
 optimizer state, and resuming Muon state into another layout (sharded to sharded, and whole to
 tensor-parallel) are checked together. (Six steps, not more: Newton-Schulz on every matrix makes a
-CPU step ~0.5 s, and every launch pays it.) QK-clip clips at steps 3 and 6 (`qk_clip_every 3`, a
-threshold below the debug model's max logits): step 3's clip shapes every later step, and HSDP
-2x2 clips it itself. Step 6's clip changes no logged loss, so TP 2 (where QK-clip is refused)
-runs without it and still compares.
+CPU step ~0.5 s, and every launch pays it.) QK-clip clips at steps 2, 4 and 6 (`qk_clip_every 2`, a
+threshold below the debug model's max logits) in every run: the resumed layouts clip step 4
+themselves, TP 2 with each rank's heads gathered and its own rows scaled, and their steps 5-6
+show it. A compiled one-process run with QK-clip (inductor, in this process) compares all six
+steps with the eager one and proves clip and non-clip steps run the graphs traced at step 1.
 """
 
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from in_process import COMMON, assert_close, run_layout, run_main
+from torch._dynamo.utils import counters
 
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
-STEPS, MID = 6, 3
-CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(MID), "--optimizer.qk_clip_threshold", "0.17"]
+STEPS, MID, CLIP_EVERY = 6, 3, 2
+CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(CLIP_EVERY), "--optimizer.qk_clip_threshold", "0.17"]
+CLIP_STEPS = range(CLIP_EVERY, STEPS + 1, CLIP_EVERY)
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(MID), "--checkpoint.keep_latest_k", "0"]
 # (processes, [parallelism] and local-batch flags) for the global batch 8
 SINGLE = (1, ["--training.local_batch_size", "8"])
@@ -51,8 +55,8 @@ def runs(single):
     tmp = single[1].parent
     nproc, flags = HSDP_2X2
     out = {"single": single[0], "hsdp_2x2": run_layout(tmp / "hsdp_2x2", nproc, [*RUN, *CLIP, *flags])}
-    for name, source, clip, (nproc, flags) in (("fsdp_4_ep_2", "hsdp_2x2", CLIP, FSDP_4_EP_2), ("tp_2", "single", [], TP_2)):
-        out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *clip, *flags])
+    for name, source, (nproc, flags) in (("fsdp_4_ep_2", "hsdp_2x2", FSDP_4_EP_2), ("tp_2", "single", TP_2)):
+        out[name] = _resumed(tmp, name, tmp / source / "checkpoint" / f"step-{MID}", nproc, [*RUN, *CLIP, *flags])
     out["root"] = tmp
     return out
 
@@ -60,16 +64,41 @@ def runs(single):
 def test_layouts_and_resumes_match_one_process(runs):
     single = runs["single"]
     assert single[STEPS]["loss"] < single[1]["loss"]
-    assert single[MID]["qk_clipped_heads"] > 0  # the clip at step MID acted
+    assert all(single[step]["qk_clipped_heads"] > 0 for step in CLIP_STEPS)  # every clip acted
     for step in range(1, STEPS + 1):
         assert_close(f"hsdp_2x2 step {step}", runs["hsdp_2x2"][step]["loss"], single[step]["loss"])
-    assert_close(f"hsdp_2x2 step {MID} max logit", runs["hsdp_2x2"][MID]["max_logit"], single[MID]["max_logit"])
+    _assert_same_clips("hsdp_2x2", runs["hsdp_2x2"], single, CLIP_STEPS)
     for name in ("fsdp_4_ep_2", "tp_2"):
         assert sorted(s for s in runs[name] if "loss" in runs[name][s]) == list(range(MID + 1, STEPS + 1)), name
         for step in range(MID + 1, STEPS + 1):
             assert_close(f"{name} resumed, step {step}", runs[name][step]["loss"], single[step]["loss"])
+        _assert_same_clips(name, runs[name], single, [s for s in CLIP_STEPS if s > MID])
         log = (runs["root"] / name / "train.log").read_text()
         assert "resumed from" in log and "starts afresh" not in log
+
+
+def _assert_same_clips(name: str, run: dict[int, dict], single: dict[int, dict], steps) -> None:
+    """The same max logit (every head of every layer, gathered over the ranks) and the same heads
+    clipped as one process, at each clip step."""
+    for step in steps:
+        assert run[step]["qk_clipped_heads"] == single[step]["qk_clipped_heads"], (name, step)
+        for key in (k for k in single[step] if k.startswith("max_logit")):
+            assert_close(f"{name} step {step} {key}", run[step][key], single[step][key])
+
+
+@pytest.mark.slow  # inductor compiles the debug model's blocks (CPU: most of a minute)
+def test_compiled_with_qk_clip_matches_eager(single, tmp_path):
+    """One process compiled (inductor) with QK-clip: its six steps match the eager run's losses and
+    clips, and the clip steps (2, 4, 6) and the others run the graphs traced at step 1: three over
+    the run (dense block, MoE block, loss; MTP's MoE block shares its trace), where a recompile
+    or a graph break at a clip step would have added one."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run_layout(tmp_path / "compiled", 1, [*RUN, *CLIP, *SINGLE[1], "--training.compile"])
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    for step in range(1, STEPS + 1):
+        assert_close(f"compiled step {step}", compiled[step]["loss"], single[0][step]["loss"])
+    _assert_same_clips("compiled", compiled, single[0], CLIP_STEPS)
 
 
 def test_switching_optimizer_on_resume(single, tmp_path, capfd):
