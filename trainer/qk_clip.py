@@ -80,7 +80,8 @@ class QKClip(StepHook):
         tp = tp_mesh.size() if tp_mesh is not None else 1
         for _, attn in self.layers:
             # On the CPU whatever the model's device: the eager `if` and the compiled `torch.cond`
-            # read it without a device synchronisation.
+            # read it without a device synchronisation (inductor takes a CPU predicate with CUDA
+            # operands since pytorch#169199, December 2025, before torch 2.11).
             attn.record_max_logit = torch.zeros((), dtype=torch.bool)
             attn.max_logit = torch.full((attn.n_heads // tp,), float("-inf"), device=local_tensor(attn.wkv_b.weight).device)
         self.active = False
