@@ -10,8 +10,8 @@ tensor-parallel) are checked together. (Six steps, not more: Newton-Schulz on ev
 CPU step ~0.5 s, and every launch pays it.) QK-clip clips at steps 2, 4 and 6 (`qk_clip_every 2`, a
 threshold below the debug model's max logits) in every run: the resumed layouts clip step 4
 themselves, TP 2 with each rank's heads gathered and its own rows scaled, and their steps 5-6
-show it. A compiled one-process run with QK-clip (inductor, in this process) compares all six
-steps with the eager one and proves clip and non-clip steps run the graphs traced at step 1.
+show it. A compiled one-process run with QK-clip (inductor, in this process) compares its five
+steps with the eager one's and proves clip and non-clip steps run the graphs traced at step 1.
 """
 
 import shutil
@@ -26,6 +26,7 @@ MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 STEPS, MID, CLIP_EVERY = 6, 3, 2
 CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(CLIP_EVERY), "--optimizer.qk_clip_threshold", "0.17"]
 CLIP_STEPS = range(CLIP_EVERY, STEPS + 1, CLIP_EVERY)
+COMPILED_STEPS = 5
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(MID), "--checkpoint.keep_latest_k", "0"]
 # (processes, [parallelism] and local-batch flags) for the global batch 8
 SINGLE = (1, ["--training.local_batch_size", "8"])
@@ -88,17 +89,20 @@ def _assert_same_clips(name: str, run: dict[int, dict], single: dict[int, dict],
 
 @pytest.mark.slow  # inductor compiles the debug model's blocks (CPU: most of a minute)
 def test_compiled_with_qk_clip_matches_eager(single, tmp_path):
-    """One process compiled (inductor) with QK-clip: its six steps match the eager run's losses and
-    clips, and the clip steps (2, 4, 6) and the others run the graphs traced at step 1: three over
-    the run (dense block, MoE block, loss; MTP's MoE block shares its trace), where a recompile
-    or a graph break at a clip step would have added one."""
+    """One process compiled (inductor) with QK-clip, 5 steps without checkpoints (the constant LR
+    after warmup makes them the 6-step run's first five): the eager run's losses and clips, and the
+    clip steps (2, 4) and the others run the graphs traced at step 1: three over the run (dense
+    block, MoE block, loss; MTP's MoE block shares its trace), where a recompile or a graph break
+    at a clip step would have added one."""
     torch._dynamo.reset()
     counters.clear()
-    compiled = run_layout(tmp_path / "compiled", 1, [*RUN, *CLIP, *SINGLE[1], "--training.compile"])
+    args = [*COMMON, *MUON, *SCHEDULE, *CLIP, *SINGLE[1], "--training.steps", str(COMPILED_STEPS), "--training.compile"]
+    compiled = run_layout(tmp_path / "compiled", 1, args)
     assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
-    for step in range(1, STEPS + 1):
+    assert sorted(s for s in compiled if "loss" in compiled[s]) == list(range(1, COMPILED_STEPS + 1))
+    for step in range(1, COMPILED_STEPS + 1):
         assert_close(f"compiled step {step}", compiled[step]["loss"], single[0][step]["loss"])
-    _assert_same_clips("compiled", compiled, single[0], CLIP_STEPS)
+    _assert_same_clips("compiled", compiled, single[0], [s for s in CLIP_STEPS if s <= COMPILED_STEPS])
 
 
 def test_switching_optimizer_on_resume(single, tmp_path, capfd):
