@@ -74,6 +74,21 @@ def test_clipped_heads_max_logit_falls_to_threshold(q_lora_rank):
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_only_heads_above_the_threshold_are_clipped():
+    """A head whose logits are all negative, or that no forward reached (-inf), keeps its weights
+    (`threshold / max` would be a negative or zero gamma)."""
+    attn = _mla(0)
+    before = attn.wq.weight.detach().clone().view(HEADS, NOPE + ROPE, -1)
+    clip = QKClip(attn, threshold=1.0, every=1)
+    clip.before_forward(1)
+    attn.max_logit.copy_(torch.tensor([-2.0, float("-inf"), 4.0]))
+    clip.after_optimizer(stepped=True)
+    assert clip.metrics()["qk_clipped_heads"] == 1
+    after = attn.wq.weight.detach().view(HEADS, NOPE + ROPE, -1)
+    assert torch.equal(after[:2], before[:2])
+    torch.testing.assert_close(after[2, :NOPE], before[2, :NOPE] * 0.5, rtol=1e-6, atol=0)
+
+
 def test_recorded_max_logit_matches_reference():
     attn = _mla(0)
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(2))
