@@ -198,7 +198,10 @@ class Trainer:
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
         self.step_hooks: list[StepHook] = [ExpertBiasUpdater(self.model, self.parallel.global_sum), *optimizer_hooks]
         if o.qk_clip:
-            self.step_hooks.append(QKClip(self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh))
+            self.step_hooks.append(QKClip(
+                self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh,
+                self.parallel_dims.mesh_or_none("tp"),
+            ))
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
         self.token_group = torch.distributed.new_group(backend="gloo") if multi else None

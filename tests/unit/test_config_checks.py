@@ -159,6 +159,10 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     assert main(["--world-size", "64", *run, "--model.flavor", "671B", "--parallelism.pp", "8", "--parallelism.ep", "8"]) == 0
     assert main(["--world-size", "2", *run, "--restarts", "3", "--checkpoint.enable"]) == 0
     assert main(["--world-size", "2", *run, "--restarts", "0", "--checkpoint.load_step", "4"]) == 0
+    # MuonClip under tensor parallelism (with FSDP) and compile (issue 32).
+    clip = ["--optimizer.name", "muon", "--optimizer.qk_clip"]
+    assert main(["--world-size", "4", *run, *clip, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"]) == 0
+    assert main(["--world-size", "2", *run, *clip, "--training.compile"]) == 0
     assert capsys.readouterr().err == ""
 
 

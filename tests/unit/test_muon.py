@@ -179,8 +179,6 @@ def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
     (["--optimizer.qk_clip_threshold", "-5"], ["optimizer.qk_clip_threshold must be > 0"]),
     (["--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"],
      ["state_dtype = 'bfloat16' is for AdamW and muon"]),
-    (["--optimizer.qk_clip", "--parallelism.tp", "2"], ["qk_clip does not support tensor parallelism"]),
-    (["--optimizer.qk_clip", "--training.compile"], ["qk_clip is not supported with training.compile"]),
 ])
 def test_bad_optimizer_input_is_one_line(capsys, tmp_path, argv, words):
     from trainer.config.check import main

@@ -49,16 +49,6 @@ def combination_problems(cfg: Any) -> list[str]:
             f"validation.dataset = {v.dataset!r} reads local files: set --validation.dataset_path "
             "(a file, a glob or a directory)."
         )
-    if cfg.optimizer.qk_clip and cfg.parallelism.tp > 1:
-        problems.append(
-            "optimizer.qk_clip does not support tensor parallelism (a rank holds only some heads' weights); "
-            "use --parallelism.tp 1 or drop --optimizer.qk_clip."
-        )
-    if cfg.optimizer.qk_clip and cfg.training.compile:
-        problems.append(
-            "optimizer.qk_clip is not supported with training.compile yet (its logit recording sets module "
-            "attributes inside the compiled blocks); drop --training.compile or --optimizer.qk_clip."
-        )
     if cfg.optimizer.qk_clip and cfg.model.attn_backend != "sdpa":
         problems.append(
             "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
