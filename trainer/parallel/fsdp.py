@@ -21,6 +21,8 @@ leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DC
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -183,11 +185,50 @@ def reshards_after_forward(module: FSDPModule) -> bool:
     """Whether the FSDP unit ``module`` frees its gathered parameters after forward. FSDP2 has a
     setter for this but no getter: read off its parameter groups (one per mesh on torch >= 2.13,
     one in all before)."""
-    state = module._get_fsdp_state()
+    return any(group.post_forward_mesh_info is not None for group in _param_groups(module._get_fsdp_state()))
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: one per mesh on torch >= 2.13, at most one before."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return any(group.post_forward_mesh_info is not None for group in groups)
+    return groups
+
+
+@contextmanager
+def gathered_through_step(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Every FSDP unit of ``model`` gathered for a step that calls the blocks' modules itself
+    (trainer/parallel/moe_overlap.py), so that FSDP's forward and backward hooks never run; yields
+    the reduction of the gradients computed so far, to be called after each micro-batch's backward
+    as the hooks would (summed into the sharded gradients), and reshards every unit at the end.
+
+    FSDP2 has no public call for a unit's gradient reduction: this drives its parameter groups
+    the way torch's pipelining does at ``REDUCE_GRAD`` (``_PipelineStageBase.perform_reduce_grad``).
+    Without FSDP the yielded call does nothing.
+    """
+    if not isinstance(model, FSDPModule):
+        yield lambda: None
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    root = model._get_fsdp_state()
+    root._lazy_init()  # what the root's first forward hook would do: streams, the states' roles
+    for unit in units:
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.unshard()
+
+    def reduce_grads() -> None:
+        for state in root._state_ctx.all_states:
+            for group in _param_groups(state):
+                group.post_backward()
+        root._root_post_backward_final_callback()
+
+    try:
+        yield reduce_grads
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_backward(True, recurse=False)
 
 
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
