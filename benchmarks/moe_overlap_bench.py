@@ -9,14 +9,15 @@ all-to-all is done, never on the compute thread, and the exchange's ``wait()`` w
 a step without the overlap pays the delay at every exchange, and an overlapped one only where no
 compute of the other micro-batch runs beside it.
 
-Per delay (0 and ``--delay-ms``), both step objects run on the same Trainer, alternately, and
-the median step time of each is taken. Reported:
+Both step objects run on the same Trainer; each round times one step of each (delay, variant)
+pair, delay 0 and ``--delay-ms``, so that the machine's load changes fall on all four alike, and
+the median over the rounds is taken. Reported:
 - ``ratio``: step time with the overlap / without, at the delay;
 - ``hidden_ms``: the delay's cost removed by the overlap, (off(D) - off(0)) - (on(D) - on(0));
 - ``ideal_hidden_ms``: min(D, compute beside the exchange) summed over the exchanges of the pairs
-  (4 per MoE layer and pair, (micro-batches - 1) pairs per step), the compute of each being the
-  mean duration of its node (attention forward, experts backward, experts forward, attention
-  backward) profiled in an overlapped step without delay;
+  (4 per paired MoE layer and pair, (micro-batches - 1) pairs per step), the compute of each being
+  the mean compute of its node (attention forward, experts backward, experts forward, attention
+  backward: span less waits) in the traced overlapped step at the delay;
 - ``hidden_fraction``: hidden_ms / ideal_hidden_ms (issue 31 asks for >= 0.5 at 50 ms);
 - a trace of one overlapped step at the delay (``--trace``, Chrome trace JSON, rank 0): the
   schedule's node spans on the compute thread and the injected delays on gloo's thread, timed
@@ -48,11 +49,25 @@ from trainer.diagnostics import spawn_local
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
 
 # Node beside each exchange of a pair (trainer/parallel/moe_overlap.py, ``pair``).
-BESIDE = ("attention.forward", "experts.backward", "experts.forward", "attention.backward")
+BESIDE = ("MoELayerNodes.attention", "MoELayerNodes.experts_backward", "MoELayerNodes.experts",
+          "MoELayerNodes.attention_backward")
+
+
+class DelayRecorder:
+    """What the delayed dispatchers of one process share: the delay, the compute thread, counts
+    and (while tracing) the intervals."""
+
+    def __init__(self):
+        self.delay_s = 0.0
+        self.compute_thread = threading.get_ident()
+        self.on_worker = 0  # delays slept on gloo's thread
+        self.as_deadline = 0  # delays left to the consumer's wait (module doc)
+        self.intervals: list | None = None  # (start, end) perf_counter seconds of each delay
+        self.waits: list | None = None  # (start, end) of each wait for a delayed exchange
 
 
 class DelayedAllToAll(AllToAllTokenDispatcher):
-    """The all-to-all dispatcher with ``delay_s`` of sleep chained to every token exchange.
+    """The all-to-all dispatcher with ``recorder.delay_s`` of sleep chained to every token exchange.
 
     The sleep is a callback on the collective's future, so it runs on the thread that completes
     the all-to-all: gloo's worker thread. A future that is already complete when the callback is
@@ -61,58 +76,49 @@ class DelayedAllToAll(AllToAllTokenDispatcher):
     never blocks compute that runs before the consumer waits.
     """
 
-    delay_s = 0.0
-    compute_thread = 0
-    intervals: list | None = None  # (start, end) perf_counter seconds of each delay, when tracing
-    waits: list | None = None  # (start, end) of each wait for a delayed exchange, when tracing
-    on_worker = 0  # delays slept on gloo's thread / set as a deadline
-    as_deadline = 0
+    recorder: DelayRecorder
 
     def start_exchange(self, rows, output_splits, input_splits) -> PendingExchange:
         pending = super().start_exchange(rows, output_splits, input_splits)
-        if not self.delay_s:
+        rec = self.recorder
+        if not rec.delay_s:
             return pending
         deadline = []
 
         def delay(future):
-            if threading.get_ident() == self.compute_thread:
-                deadline.append(time.perf_counter() + self.delay_s)
-                type(self).as_deadline += 1
+            if threading.get_ident() == rec.compute_thread:
+                deadline.append(time.perf_counter() + rec.delay_s)
+                rec.as_deadline += 1
             else:
                 start = time.perf_counter()
-                time.sleep(self.delay_s)
-                type(self).on_worker += 1
-                if self.intervals is not None:
-                    self.intervals.append((start, time.perf_counter()))
+                time.sleep(rec.delay_s)
+                rec.on_worker += 1
+                if rec.intervals is not None:
+                    rec.intervals.append((start, time.perf_counter()))
             return future.value()
 
-        return _Delayed(pending.future.then(delay), pending.out, deadline, self.intervals, self.waits)
+        return _Delayed(pending.future.then(delay), pending.out, deadline, rec)
 
 
 class _Delayed(PendingExchange):
-    __slots__ = ("deadline", "intervals", "waits")
+    __slots__ = ("deadline", "recorder")
 
-    def __init__(self, future, out, deadline: list, intervals: list | None, waits: list | None):
+    def __init__(self, future, out, deadline: list, recorder: DelayRecorder):
         super().__init__(future, out)
         self.deadline = deadline
-        self.intervals = intervals
-        self.waits = waits
+        self.recorder = recorder
 
     def wait(self):
+        rec = self.recorder
         start = time.perf_counter()
-        try:
-            return self._wait()
-        finally:
-            if self.waits is not None:
-                self.waits.append((start, time.perf_counter()))
-
-    def _wait(self):
         out = super().wait()
         if self.deadline:
             end = self.deadline[0]
             time.sleep(max(0.0, end - time.perf_counter()))
-            if self.intervals is not None:
-                self.intervals.append((end - DelayedAllToAll.delay_s, end))
+            if rec.intervals is not None:
+                rec.intervals.append((end - rec.delay_s, end))
+        if rec.waits is not None:
+            rec.waits.append((start, time.perf_counter()))
         return out
 
 
@@ -122,23 +128,11 @@ def _step_time(trainer, batches) -> float:
     return time.perf_counter() - start
 
 
-def _node_ms(trainer, batches) -> dict:
-    """Mean duration (ms) of each node kind in one overlapped step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.train_step(batches)
-    spans: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.name.startswith("moe_overlap."):
-            spans.setdefault(e.name.removeprefix("moe_overlap."), []).append(e.cpu_time_total / 1e3)
-    return {k: statistics.mean(v) for k, v in spans.items()}
-
-
-def _traced_step(trainer, batches, path: str) -> float:
+def _traced_step(trainer, batches, rec: DelayRecorder, path: str) -> tuple[float, dict]:
     """One overlapped step with every delay interval, node span and wait for an exchange recorded
-    (perf_counter): written as a Chrome trace (chrome://tracing, Perfetto) to ``path``; returns the
-    time (ms) the delays intersect the nodes' compute (their spans less their waits)."""
+    (perf_counter): written as a Chrome trace (chrome://tracing, Perfetto) to ``path``. Returns the
+    time (ms) the delays intersect the nodes' compute (their spans less their waits), and each
+    node kind's mean compute (ms, its span less its waits)."""
     from trainer.parallel import moe_overlap
 
     nodes: list = []
@@ -157,11 +151,11 @@ def _traced_step(trainer, batches, path: str) -> float:
                         nodes.append((_name, start, time.perf_counter()))
 
                 setattr(cls, name, timed)
-    DelayedAllToAll.intervals, DelayedAllToAll.waits = delays, waits = [], []
+    rec.intervals, rec.waits = delays, waits = [], []
     try:
         trainer.train_step(batches)
     finally:
-        DelayedAllToAll.intervals = DelayedAllToAll.waits = None
+        rec.intervals = rec.waits = None
         for (cls, name), method in patched.items():
             setattr(cls, name, method)
     origin = min(start for _, start, _ in nodes)
@@ -180,11 +174,40 @@ def _traced_step(trainer, batches, path: str) -> float:
     if path:
         Path(path).write_text(json.dumps({"traceEvents": events}))
 
-    def meet(a, b):
-        return sum(max(0.0, min(x[-1], y[-1]) - max(x[-2], y[-2])) for x in a for y in b)
+    # Compute = the node spans less the waits for an exchange (a node's span includes its wait).
+    holes = _union(waits)
+    compute = _minus(_union([i[-2:] for i in nodes]), holes)
+    per_kind: dict[str, list[float]] = {}
+    for name, a, b in nodes:
+        per_kind.setdefault(name, []).append(sum(c1 - c0 for c0, c1 in _minus([(a, b)], holes)))
+    node_ms = {name: 1e3 * statistics.mean(v) for name, v in per_kind.items()}
+    overlap = 1e3 * sum(max(0.0, min(d1, c1) - max(d0, c0)) for d0, d1 in delays for c0, c1 in compute)
+    return overlap, node_ms
 
-    # Node spans include the node's wait for its exchange: that part is not compute.
-    return 1e3 * (meet(delays, nodes) - meet(delays, waits))
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(i) for i in out]
+
+
+def _minus(intervals, holes) -> list[tuple[float, float]]:
+    """Disjoint sorted ``intervals`` less disjoint sorted ``holes``."""
+    out = []
+    for a, b in intervals:
+        for h0, h1 in holes:
+            if h1 <= a or h0 >= b:
+                continue
+            if h0 > a:
+                out.append((a, h0))
+            a = max(a, h1)
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def _worker(rank: int, world: int, port: int, a, queue) -> None:
@@ -222,9 +245,10 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
         trainer = Trainer(cfg, model_args)
     try:
         moes = moe_modules(trainer.model)
-        DelayedAllToAll.compute_thread = threading.get_ident()
+        rec = DelayRecorder()
         for moe in moes:
             moe.dispatcher.__class__ = DelayedAllToAll
+            moe.dispatcher.recorder = rec
         # Both keep FSDP's units gathered through the step (reshard_after_forward "never" and no
         # reshard between micro-batches, as the overlapped step does), so that the two differ only
         # in the schedule: re-gathering units in the plain step would hide behind the delays too.
@@ -236,35 +260,32 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
         batches = trainer.next_microbatches()[0]
         delays = [0.0] if a.no_delay else [0.0, a.delay_ms / 1e3]
         times: dict[str, dict[str, list[float]]] = {}
-        for delay in delays:
-            for moe in moes:
-                moe.dispatcher.delay_s = delay
-            for name, step in steps.items():  # warm-up
-                trainer.parallel = step
-                _step_time(trainer, batches)
-            runs = times.setdefault(f"{delay * 1e3:g}", {"off": [], "on": []})
-            for _ in range(a.steps):
+        # Every (delay, variant) once per round, so that a change of the machine's load falls on
+        # all four alike; round 0 is the warm-up.
+        for round_index in range(a.steps + 1):
+            for delay in delays:
+                rec.delay_s = delay
+                runs = times.setdefault(f"{delay * 1e3:g}", {"off": [], "on": []})
                 for name, step in steps.items():
                     trainer.parallel = step
-                    runs[name].append(_step_time(trainer, batches))
+                    seconds = _step_time(trainer, batches)
+                    if round_index:
+                        runs[name].append(seconds)
         trainer.parallel = steps["on"]
-        for moe in moes:
-            moe.dispatcher.delay_s = 0.0
-        node_ms = _node_ms(trainer, batches)
         result = {
             "rank": rank,
             "moe_layers": len(moes),
+            # The interleaved ones (MTP's MoE block runs outside the pairs).
+            "paired_moe_layers": sum(block.moe_enabled for block in trainer.model.layers.values()),
             "micro_batches": trainer.grad_accum_steps,
             "step_s": {d: {k: statistics.median(v) for k, v in r.items()} for d, r in times.items()},
-            "node_ms": node_ms,
         }
         if not a.no_delay:
-            for moe in moes:
-                moe.dispatcher.delay_s = a.delay_ms / 1e3
+            rec.delay_s = a.delay_ms / 1e3
             trace = a.trace if rank == 0 else ""
-            result["overlap_ms"] = _traced_step(trainer, batches, trace)
-            result["delays_on_gloo_thread"] = DelayedAllToAll.on_worker
-            result["delays_as_deadline"] = DelayedAllToAll.as_deadline
+            result["overlap_ms"], result["node_ms"] = _traced_step(trainer, batches, rec, trace)
+            result["delays_on_gloo_thread"] = rec.on_worker
+            result["delays_as_deadline"] = rec.as_deadline
         queue.put(result)
     finally:
         trainer.close()
@@ -278,7 +299,7 @@ def summarize(r: dict, delay_ms: float | None) -> dict:
         return out
     d = f"{delay_ms:g}"
     pairs = r["micro_batches"] - 1
-    ideal = sum(min(delay_ms, r["node_ms"][kind]) for kind in BESIDE) * r["moe_layers"] * pairs
+    ideal = sum(min(delay_ms, r["node_ms"][kind]) for kind in BESIDE) * r["paired_moe_layers"] * pairs
     hidden = ((step[d]["off"] - step["0"]["off"]) - (step[d]["on"] - step["0"]["on"])) * 1e3
     out.update({
         "ratio": step[d]["on"] / step[d]["off"],
@@ -303,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--model-override", nargs="*", default=[], help="ModelArgs overrides, e.g. dim=256 moe.num_experts=8")
-    p.add_argument("--trace", default="", help="write rank 0's profiler trace of one delayed overlapped step here")
+    p.add_argument("--trace", default="", help="write rank 0's trace of one delayed overlapped step here")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     if a.device == "cuda" and not a.no_delay:
