@@ -127,6 +127,9 @@ class MoELayerNodes:
             if moe.training:
                 with torch.no_grad():
                     moe.tokens_per_expert.add_(count_tokens_per_expert(selected.reshape(-1), moe.num_experts))
+            # The shared experts stay after the permutation, where MoE.forward has them: run
+            # before it (beside the exchange in flight) they change the order in which autograd
+            # sums the tokens' gradients, and the result's last bits.
             self.lane.drain()  # route's counts all-to-all shares the group with the exchanges
             self.ctx = moe.dispatcher.route(selected, top_scores, group_align(tokens))
             send_rows = permute(tokens, self.ctx.send)
