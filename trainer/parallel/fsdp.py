@@ -21,13 +21,14 @@ leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DC
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import Shard
 
 from models.moe import MoE
@@ -196,35 +197,56 @@ def _param_groups(state) -> list:
     return groups
 
 
-@contextmanager
-def gathered_through_step(model: nn.Module) -> Iterator[Callable[[], None]]:
-    """Every FSDP unit of ``model`` gathered for a step that calls the blocks' modules itself
-    (trainer/parallel/moe_overlap.py), so that FSDP's forward and backward hooks never run; yields
-    the reduction of the gradients computed so far, to be called after each micro-batch's backward
-    as the hooks would (summed into the sharded gradients), and reshards every unit at the end.
+class ManualReduction:
+    """FSDP's gradient reduction for a step that calls the blocks' modules itself, so that FSDP's
+    hooks never run (trainer/parallel/moe_overlap.py): what the post-backward hooks would do.
 
-    FSDP2 has no public call for a unit's gradient reduction: this drives its parameter groups
-    the way torch's pipelining does at ``REDUCE_GRAD`` (``_PipelineStageBase.perform_reduce_grad``).
-    Without FSDP the yielded call does nothing.
+    FSDP2 has no public call for a unit's gradient reduction: this drives its parameter groups the
+    way torch's pipelining does at ``REDUCE_GRAD`` (``_PipelineStageBase.perform_reduce_grad``).
+    Without FSDP (``root`` None) both calls do nothing.
     """
+
+    def __init__(self, root: FSDPModule | None):
+        self.root = root
+
+    def unit_done(self, module: nn.Module) -> None:
+        """``module``'s gradients of this micro-batch are complete: reduce-scatter them now (summed
+        into the sharded gradients), as its post-backward hook would, beside the compute that follows."""
+        if self.root is None:
+            return
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                for group in _param_groups(unit._get_fsdp_state()):
+                    group.post_backward()
+
+    def micro_batch_done(self) -> None:
+        """Reduces every unit not reduced yet and waits for the reductions, as FSDP's end-of-backward
+        callback does."""
+        if self.root is None:
+            return
+        state = self.root._get_fsdp_state()
+        for each in state._state_ctx.all_states:
+            for group in _param_groups(each):
+                if group._training_state != TrainingState.POST_BACKWARD:
+                    group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+@contextmanager
+def gathered_through_step(model: nn.Module) -> Iterator[ManualReduction]:
+    """Every FSDP unit of ``model`` gathered for a step that calls the blocks' modules itself
+    (trainer/parallel/moe_overlap.py); yields the ``ManualReduction`` of its gradients, and
+    reshards every unit at the end."""
     if not isinstance(model, FSDPModule):
-        yield lambda: None
+        yield ManualReduction(None)
         return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    root = model._get_fsdp_state()
-    root._lazy_init()  # what the root's first forward hook would do: streams, the states' roles
+    model._get_fsdp_state()._lazy_init()  # what the root's first forward hook would do
     for unit in units:
         unit.set_reshard_after_backward(False, recurse=False)
         unit.unshard()
-
-    def reduce_grads() -> None:
-        for state in root._state_ctx.all_states:
-            for group in _param_groups(state):
-                group.post_backward()
-        root._root_post_backward_final_callback()
-
     try:
-        yield reduce_grads
+        yield ManualReduction(model)
     finally:
         for unit in units:
             unit.reshard()

@@ -33,7 +33,8 @@ Collective order: every rank runs this same fixed schedule (no branch on data or
 the schedule keeps **one exchange in flight at a time** on the ep group (``ExchangeLane``): a new
 exchange, and the counts' all-to-all of an attention node, first wait for the one in flight. So
 the ep group sees one sequence of collectives, identical on every rank, as Megatron's single
-communication stream does; one exchange beside one compute node is all the schedule above can hide
+communication stream does (FSDP's reduce-scatters, on their own groups, come at fixed points of
+the same schedule); one exchange beside one compute node is all the schedule above can hide
 anyway. Separate groups per direction would let a forward and a backward exchange run at once, at
 the cost of a second communicator per ep group and an order argument across two groups.
 """
@@ -206,9 +207,11 @@ class MicroBatchNodes:
     ``MoELayerNodes``, the head with the loss; ``objective`` and ``aux_scale`` as in
     ``ParallelStep.forward_backward``."""
 
-    def __init__(self, model, mb: MicroBatch, objective: Callable, aux_scale: float, autocast: Callable, lane):
+    def __init__(
+        self, model, mb: MicroBatch, objective: Callable, aux_scale: float, autocast: Callable, lane, reduction
+    ):
         self.model, self.mb, self.objective, self.aux_scale = model, mb, objective, aux_scale
-        self.autocast, self.lane = autocast, lane
+        self.autocast, self.lane, self.reduction = autocast, lane, reduction
         blocks = list(model.layers.values())
         first_moe = next(i for i, block in enumerate(blocks) if block.moe_enabled)
         self.dense = blocks[:first_moe]
@@ -264,6 +267,11 @@ class MicroBatchNodes:
         self.grad, self.mtp_grads, self.aux_grads = grads[0], grads[1 : 1 + depths], grads[1 + depths :]
         self.loss = self.head_in = None
 
+    def backward_layer_end(self, layer: MoELayerNodes) -> None:
+        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
+        self.grad = layer.attention_backward()
+        self.reduction.unit_done(layer.block)
+
     def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
         layer = self.layers[layer_index]
         layer.post_backward(self.grad, self.aux_grads[layer_index])
@@ -281,7 +289,7 @@ class MicroBatchNodes:
             layer = self.backward_layer_start(i)
             layer.experts_backward()
             layer.dispatch_backward()
-            self.grad = layer.attention_backward()
+            self.backward_layer_end(layer)
         self.backward_pre()
 
 
@@ -303,7 +311,7 @@ def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Te
         bl.dispatch_backward()
         fl.experts()  # beside the dispatch backward
         fl.combine()
-        b.grad = bl.attention_backward()  # beside the combine forward
+        b.backward_layer_end(bl)  # beside the combine forward
     f.layers[-1].post()
     terms = f.forward_head()
     b.backward_pre()
@@ -315,8 +323,8 @@ class MoEOverlapStep(ParallelStep):
     (``[parallelism] moe_overlap``): micro-batch 0's forward alone, then the pairs, then the last
     backward alone (Megatron's ``combined_1f1b_schedule_for_no_pipelining``). Two micro-batches'
     activations are alive at once. Under FSDP every unit stays gathered through the step and its
-    gradients are reduced after each micro-batch's backward, as the plain step's hooks do
-    (``gathered_through_step``)."""
+    gradients are reduced once per micro-batch as the plain step's hooks do: a block's right after
+    its attention backward, the rest at the micro-batch's end (``gathered_through_step``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -335,20 +343,19 @@ class MoEOverlapStep(ParallelStep):
         loss_total = torch.zeros((), device=device)
         mtp_total = torch.zeros((), device=device)
         lane = ExchangeLane()
-        nodes = [MicroBatchNodes(self.model, mb, objective, self.aux_scale(len(micro)), autocast, lane) for mb in micro]
 
         def add(terms):
             nonlocal loss_total, mtp_total
             loss_total += self.value(terms[0])
             mtp_total += self.value(terms[1])
 
-        with gathered_through_step(self.model) as reduce_grads:
+        with gathered_through_step(self.model) as reduction:
+            aux_scale = self.aux_scale(len(micro))
+            nodes = [MicroBatchNodes(self.model, mb, objective, aux_scale, autocast, lane, reduction) for mb in micro]
             add(nodes[0].forward_alone())
             for b, f in zip(nodes, nodes[1:]):
                 add(pair(b, f))
-                lane.drain()
-                reduce_grads()
+                reduction.micro_batch_done()
             nodes[-1].backward_alone()
-            lane.drain()
-            reduce_grads()
+            reduction.micro_batch_done()
         return loss_total, mtp_total
