@@ -19,6 +19,9 @@
 #   F  step_bench proxy_1b, bf16, compile, batch 4 x 4096, one process: the weight-cast policy A/B,
 #      FSDP2 on a one-rank mesh (the default) vs plain autocast (training.one_process_cast),
 #      tokens/s and peak memory side by side; docs/performance.md has the decision rule.
+#   G  moe_overlap_bench: [parallelism] moe_overlap on vs off, dp_shard 2 x ep 2 on 2 GPUs (NCCL),
+#      16B n_layers=4 widths, bf16, 4 micro-batches of 1 x 4096, no injected delay: the step-time
+#      ratio (issue 31). Skipped on a machine with one GPU (EP needs a GPU per rank).
 # A failed or timed-out measurement shows as "failed" in the table (its log says why); the
 # others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
 set -u
@@ -45,6 +48,8 @@ if [ "$DRY" = "1" ]; then
     E_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager)
     F_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager,eager_autocast)
     TIMING=(--steps 1 --repeats 1 --warmup 1)
+    G_ARGS=(--device cpu --flavor debugmodel --model-override n_layers=2 --seq-len 32 --micro-batches 2 --steps 1)
+    GPUS=2
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); skipping every GPU measurement."
@@ -68,6 +73,8 @@ print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m)
     E_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
     F_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile,compile_autocast)
     TIMING=(--steps 5 --repeats 2 --warmup 2)
+    G_ARGS=(--device cuda --dtype bf16 --flavor 16B --model-override n_layers=4 --seq-len 4096 --micro-batches 4 --steps 3)
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 fi
 
 run() {  # name, command...: stdout+stderr to <name>.log, exit status to <name>.rc
@@ -90,6 +97,11 @@ run C "$PY" "$ROOT/benchmarks/moe_bench.py" "${C_ARGS[@]}" --device "$DEVICE"
 run E "$PY" "$ROOT/benchmarks/step_bench.py" "${E_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" \
     --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/E.json"
 run F "$PY" "$ROOT/benchmarks/step_bench.py" "${F_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" --json "$OUT_DIR/F.json"
+if [ "$GPUS" -ge 2 ]; then
+    run G "$PY" "$ROOT/benchmarks/moe_overlap_bench.py" "${G_ARGS[@]}" --no-delay --json "$OUT_DIR/G.json"
+else
+    echo "needs 2 GPUs (one per ep rank), this machine has $GPUS" >"$OUT_DIR/G.skipped"
+fi
 
 "$PY" - "$OUT_DIR" <<'EOF'
 import json
@@ -167,13 +179,23 @@ else:
         where = f"C moe_bench {c['flavor']} {c['tokens']} tokens {c['dtype']} {r['variant']}"
         rows.append((where, "time / dense ideal", fmt(r["ratio_to_ideal"], ".2f")))
 
+if (out / "G.skipped").exists():
+    rows.append(("G moe_overlap dp_shard 2 x ep 2", "skipped", (out / "G.skipped").read_text().strip()))
+elif (g := load("G")) is None:
+    rows.append(("G moe_overlap dp_shard 2 x ep 2", "failed, see G.log", last_line("G")))
+else:
+    ga = g["args"]
+    where = f"G moe_overlap {ga['flavor']} {' '.join(ga['model_override'])} {ga['dtype']} {ga['micro_batches']}x1x{ga['seq_len']}"
+    for rank, s in enumerate(g["summary"]):
+        rows.append((f"{where} rank {rank}", "step time on / off", fmt(s["ratio_no_delay"], ".3f")))
+
 device = next((x["device"] for x in (a, b, c, d, e, f) if x is not None), "unknown")
 print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")
 print("| measurement | figure | value |")
 print("|---|---|---|")
 for row in rows:
     print("| " + " | ".join(row) + " |")
-failed = [n for n in "ABCDEF" if (out / f"{n}.rc").read_text().strip() != "0"]
+failed = [n for n in "ABCDEFG" if (out / f"{n}.rc").exists() and (out / f"{n}.rc").read_text().strip() != "0"]
 if failed:
     print(f"\nfailed: {', '.join(failed)} (see {', '.join(n + '.log' for n in failed)})")
 sys.exit(1 if failed else 0)

@@ -31,7 +31,7 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     table = proc.stdout[proc.stdout.index("| measurement | figure | value |"):]
     for figure in ("tokens/s", "MFU %", "estimate / measured peak", "kernel launches per step",
                    "host syncs per step", "time / dense ideal", "skipped", "weight casts MiB per step",
-                   "tokens/s ratio (keep FSDP2 on one process only if > 1.03)"):
+                   "tokens/s ratio (keep FSDP2 on one process only if > 1.03)", "step time on / off"):
         assert f"| {figure} |" in table, figure
     assert "n_layers=2" in table and "failed" not in table
     a = json.loads((tmp_path / "A.json").read_text())

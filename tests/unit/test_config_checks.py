@@ -116,6 +116,12 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
             ["compiled block is one autograd node", "Interleaved1F1B"],
         ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|Lt*3"], ["exactly one L, at the end"]),
+        # The MoE all-to-all overlap (issue 31): what it does not run, one line each.
+        (2, ["--parallelism.moe_overlap"], ["parallelism.moe_overlap overlaps the expert-parallel", "ep > 1"]),
+        (
+            2, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--activation_checkpoint.mode", "full"],
+            ["never recomputes a block", "--activation_checkpoint.mode none", "drop --parallelism.moe_overlap"],
+        ),
         # Read from the flavor table without torch: the debug model has 6 blocks and 4 heads, 671B 256 experts.
         (8, ["--parallelism.pp", "8"], ["8 stages", "only 6 blocks"]),
         (4, ["--parallelism.pp", "4", "--parallelism.pp_stages_per_rank", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],

@@ -63,7 +63,28 @@ def combination_problems(cfg: Any) -> list[str]:
             "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
             "drop --training.compile."
         )
+    problems += _moe_overlap_problems(cfg)
     return problems
+
+
+def _moe_overlap_problems(cfg: Any) -> list[str]:
+    """What ``parallelism.moe_overlap`` (trainer/parallel/moe_overlap.py) does not run: it calls
+    each MoE block's modules node by node, outside a checkpointed or compiled block."""
+    p = cfg.parallelism
+    if not p.moe_overlap:
+        return []
+    refusals = [
+        (p.ep <= 1, "overlaps the expert-parallel all-to-all: set --parallelism.ep > 1"),
+        (p.pp > 1, "pairs the micro-batches of a step without pipeline parallelism: use --parallelism.pp 1"),
+        (
+            cfg.activation_checkpoint.mode != "none",
+            "keeps two micro-batches' activations and never recomputes a block: use --activation_checkpoint.mode none",
+        ),
+        (cfg.training.compile, "runs each MoE block eagerly node by node: drop --training.compile"),
+        (cfg.engram.enable, "does not run Engram blocks: drop --engram.enable"),
+        (p.tp > 1 or p.cp > 1 or p.ep_as_cp, "is tested with FSDP and EP only: use --parallelism.tp 1 --parallelism.cp 1"),
+    ]
+    return [f"parallelism.moe_overlap {message}, or drop --parallelism.moe_overlap." for bad, message in refusals if bad]
 
 
 # (switch, is the feature off?, the section's options it makes meaningless; None = all others).

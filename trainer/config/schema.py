@@ -347,6 +347,10 @@ class Parallelism(Section):
     pp_layout: str = option(
         "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
     )
+    moe_overlap: bool = option(
+        False,
+        "Hide the EP all-to-all: run micro-batch i's backward beside i+1's forward, MoE node by node (needs ep > 1, pp 1)",
+    )
     fsdp_reshard_after_forward: ReshardPolicy = option(
         "default",
         "Free gathered FSDP params after forward: default = all but the root unit",

@@ -37,6 +37,7 @@ from trainer.parallel.engram_parallel import (
 )
 from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp, one_process_mesh
+from trainer.parallel.moe_overlap import MoEOverlapStep
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule, apply_pipeline
 from trainer.parallel.pipeline_step import PipelineStep, activation_meta, check_zero_bubble_stages
@@ -79,7 +80,7 @@ def parallelize_model(
     stage = parallelize_stage(
         model, dims, parallelism, training, activation_checkpoint, quantize, engram, device_type, specs
     )
-    return model, build_step(model, dims, training, stage, engram_hasher)
+    return model, build_step(model, dims, training, stage, engram_hasher, parallelism.moe_overlap)
 
 
 @dataclass
@@ -178,10 +179,13 @@ def build_step(
     training: Training,
     stage: ParallelizedStage,
     engram_hasher: NgramHasher | None = None,
+    moe_overlap: bool = False,
 ) -> ParallelStep:
-    """The step object for the layout: a `PipelineStep` over the rank's stages, else a `ParallelStep`."""
+    """The step object for the layout: a `PipelineStep` over the rank's stages, else a `ParallelStep`
+    (a `MoEOverlapStep` under ``moe_overlap``: trainer/parallel/moe_overlap.py)."""
     if stage.stages is None:
-        return ParallelStep(
+        step_class = MoEOverlapStep if moe_overlap else ParallelStep
+        return step_class(
             model, dims, stage.context_parallel, keep_weights_between_microbatches=stage.one_process_cast,
             engram_hasher=engram_hasher,
         )
