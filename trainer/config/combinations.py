@@ -115,7 +115,7 @@ _GATES = (
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
     (
         "parallelism.pp", lambda c: c.parallelism.pp == 1,
-        ("pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_layout"),
+        tuple(f.name for f in dataclasses.fields(PipelinePlan) if f.name != "pp"),
     ),
 )
 
