@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Callable
 
 import torch
@@ -10,9 +13,12 @@ from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
 from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
+from trainer.distributed import from_rank0
 from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
 from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
 from trainer.step_hooks import StepHook
+
+logger = logging.getLogger("trainer")
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -30,10 +36,35 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
     return {}
 
 
-def _ns_dtype(setting: str, params: list[torch.Tensor]) -> torch.dtype:
-    if setting == "auto":  # bf16 where matrix units multiply it fast (GPUs), fp32 on CPUs
-        return torch.bfloat16 if any(p.device.type == "cuda" for p in params) else torch.float32
-    return STATE_DTYPES[setting]
+def cpu_matmul_ms(dtype: torch.dtype, repeats: int = 5) -> float:
+    """The best of `repeats` timings of one `[256, 1024] x [1024, 256]` CPU matmul in `dtype`, in ms:
+    a Newton-Schulz Gram product at the debug model's scale (its own generator: the run's seeded
+    RNG is untouched)."""
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x @ x.T  # the first call picks and warms the kernel
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x @ x.T
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def ns_dtype_for(setting: str, params: list[torch.Tensor]) -> torch.dtype:
+    """`muon_ns_dtype`: `bfloat16` / `float32` as given; `auto` is bf16 on GPUs, and on CPUs bf16
+    where a bf16 matmul is at least as fast as an fp32 one (AMX or a fast AVX-512 BF16 path), else
+    fp32: CPUs without bf16 matrix units convert and multiply bf16 slower than fp32. Rank 0's
+    probe decides for every rank (all ranks must agree: owners orthogonalise for the others)."""
+    if setting != "auto":
+        return STATE_DTYPES[setting]
+    if any(p.device.type == "cuda" for p in params):
+        logger.info("muon: Newton-Schulz in bfloat16 (auto: GPU)")
+        return torch.bfloat16
+    fp32, bf16 = from_rank0((cpu_matmul_ms(torch.float32), cpu_matmul_ms(torch.bfloat16)))
+    dtype = torch.bfloat16 if bf16 <= fp32 else torch.float32
+    logger.info("muon: Newton-Schulz in %s (auto: a CPU matmul takes %.2f ms in bf16, %.2f ms in fp32)",
+                str(dtype).removeprefix("torch."), bf16, fp32)
+    return dtype
 
 
 def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.optim.Optimizer, list[StepHook]]:
@@ -81,7 +112,7 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.o
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum,
             nesterov=opt_cfg.muon_nesterov, ns_steps=opt_cfg.muon_ns_steps,
             state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
-            ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
+            ns_dtype=ns_dtype_for(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))
