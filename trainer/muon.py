@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 from models.moe.experts import GroupedExperts
-from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor, mesh_ranks
-from trainer.muon_owners import OwnedExchange
+from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
+from trainer.muon_owners import OwnedExchange, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -129,7 +129,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype
         self.bucket_bytes = bucket_bytes
-        self._exchanges: dict[tuple[int, ...], OwnedExchange] = {}
+        self._exchanges: dict[int, OwnedExchange] = {}
         self.register_load_state_dict_post_hook(_restore_state_dtype)
 
     BUFFERS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -168,40 +168,44 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         self._store(stored, bufs)
         updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-        orthos = self._orthogonalize(params, updates, group["ns_steps"])
+        orthos = self._orthogonalize(group, params, updates)
         weights = [local_tensor(p) for p in params]
         torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
         for weight, ortho, p in zip(weights, orthos, params):  # torch.optim.Muon's add, one scale per shape
             weight.add_(ortho, alpha=-lr * rms_matched_scale(p.shape))
 
-    def _orthogonalize(self, params: list[torch.Tensor], updates: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    def _orthogonalize(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each parameter's part of its orthogonalised update. A plain tensor or a stack of whole
-        expert matrices: here. A 2-D DTensor (sharded or replicated over several ranks): on its
-        owner (`trainer.muon_owners`). A stack sharded inside its matrices (not a layout this
-        trainer makes): gathered whole here."""
-        dtype = self.ns_dtype
-        out: list[torch.Tensor | None] = [None] * len(params)
-        owned: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(params):
-            if isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.size() > 1:
-                owned.setdefault(tuple(mesh_ranks(p.device_mesh)), []).append(i)
-            elif holds_whole_matrices(p):
-                out[i] = orthogonalize(updates[i], steps, dtype)
+        expert matrices: here. A 2-D DTensor held by several ranks (sharded or replicated): on its
+        owner (`trainer.muon_owners`), with every such matrix of the group, whether or not this
+        step gave it a gradient (zeros then, and the result unused): all ranks agree on what moves.
+        A stack sharded inside its matrices (not a layout this trainer makes): gathered here."""
+        steps, dtype = group["ns_steps"], self.ns_dtype
+        out: dict[int, torch.Tensor] = {}
+        for p, update in zip(params, updates):
+            if _shared_matrix(p):
+                continue
+            if holds_whole_matrices(p):
+                out[id(p)] = orthogonalize(update, steps, dtype)
             else:
-                out[i] = local_part(orthogonalize(full_from_local(updates[i], p), steps, dtype), p)
-        for members in owned.values():
-            exchange = self._exchange([params[i] for i in members], steps)
-            parts = exchange.run([updates[i] for i in members], lambda m: newton_schulz(m, steps, dtype), dtype)
-            for i, part in zip(members, parts):
-                out[i] = part
-        return out
+                out[id(p)] = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
+        shared = [p for p in group["params"] if _shared_matrix(p)]
+        if shared:
+            given = {id(p): u for p, u in zip(params, updates)}
+            moved = [given[id(p)] if id(p) in given else torch.zeros_like(local_tensor(p)) for p in shared]
+            parts = self._exchange(group, shared).run(moved, lambda m: newton_schulz(m, steps, dtype), dtype)
+            out.update(zip(map(id, shared), parts))
+        return [out[id(p)] for p in params]
 
-    def _exchange(self, params: list[DTensor], steps: int) -> OwnedExchange:
-        """The owner plan of these parameters, built at their first step (a collective of their
-        ranks) and kept: owners and index maps depend only on shapes and placements."""
-        key = (steps, *map(id, params))
+    def _exchange(self, group: dict, shared: list[DTensor]) -> OwnedExchange:
+        """The owner plan of the group's shared matrices, built at its first step (a collective of
+        all ranks) and kept: owners and index maps depend only on shapes and placements. The NS
+        work a rank does anyway (its expert stacks) is balanced against."""
+        key = self.param_groups.index(group)
         if key not in self._exchanges:
-            self._exchanges[key] = OwnedExchange(params, steps, self.bucket_bytes)
+            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"]
+                       if not _shared_matrix(p))
+            self._exchanges[key] = OwnedExchange(shared, base, group["ns_steps"], self.bucket_bytes)
         return self._exchanges[key]
 
     def _adamw_(self, params: list[torch.Tensor], group: dict) -> None:
@@ -225,6 +229,11 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, math.sqrt(1 - beta2**step))
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-lr / (1 - beta1**step))
+
+
+def _shared_matrix(p: torch.Tensor) -> bool:
+    """A 2-D DTensor on a mesh of several ranks: its NS runs once, on its owner."""
+    return isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.size() > 1
 
 
 def _restore_state_dtype(optimizer: MuonAdamW) -> None:

@@ -24,6 +24,7 @@ layout's update stays one process's. The index maps are exchanged once, when the
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.distributed import is_first_replica, local_flat_indices, mesh_ranks
+from trainer.distributed import all_gather_objects, is_first_replica, local_flat_indices, mesh_ranks
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
@@ -69,10 +70,23 @@ def owned_ns_flops(shapes: Sequence[Sequence[int]], ranks: int, ns_steps: int) -
     return per_rank
 
 
-def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
     recv = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits)
     return recv
+
+
+def _bucketed(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive runs of the matrices of `sizes` bytes, each at most `bucket_bytes` (or one matrix)."""
+    buckets: list[list[int]] = [[]]
+    total = 0
+    for i, size in enumerate(sizes):
+        if buckets[-1] and total + size > bucket_bytes:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(i)
+        total += size
+    return buckets
 
 
 @dataclass
@@ -96,62 +110,75 @@ class _Bucket:
 
 
 class OwnedExchange:
-    """Moves the sharded Muon matrices `params` (DTensors, all on meshes of the same ranks) to
-    their owners and the results back, in buckets of at most `bucket_bytes` of whole matrices.
-    Building it is a collective of the group (index maps, once)."""
+    """Moves this rank's sharded Muon matrices `params` (2-D DTensors held by several ranks) to
+    their owners and the results back, in buckets of at most `bucket_bytes` of whole matrices, over
+    the default process group. `base_flops` is the NS work this rank does anyway (its expert
+    stacks). Building it is a collective of all ranks (the matrix lists and index maps, once).
 
-    def __init__(self, params: Sequence[DTensor], ns_steps: int, bucket_bytes: int):
+    Owners are chosen over all ranks, not only a matrix's holders: a pipeline stage's ranks hold
+    only that stage's matrices, and stages differ in NS work (the debug model's first stage has
+    twice the second's), so owners within the stage would leave the busiest rank's work where
+    the stage split put it."""
+
+    def __init__(self, params: Sequence[DTensor], base_flops: float, ns_steps: int, bucket_bytes: int):
         self.params = list(params)
-        ranks = mesh_ranks(self.params[0].device_mesh)
-        world = dist.get_world_size()
-        # The group's own process group: the params' mesh may span several mesh dims (HSDP's
-        # replicate and shard, FSDP x TP); only its members create it (a pipeline stage's ranks).
-        self.group = (dist.group.WORLD if ranks == list(range(world))
-                      else dist.new_group(ranks, use_local_synchronization=True))
-        self.size = len(ranks)
-        self.owners = assign_owners([ns_flops(p.shape, ns_steps) for p in self.params], self.size)
-        me = dist.get_rank(self.group)
-        self.buckets = [self._plan(b, me) for b in self._bucketed(bucket_bytes)]
+        # What moves to the owners: the updates, in the parameters' dtype.
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        seen: dict[tuple[int, ...], int] = {}
+        mine = []
+        for p in self.params:
+            holders = tuple(mesh_ranks(p.device_mesh))
+            seen[holders] = seen.get(holders, -1) + 1
+            mine.append(((holders, seen[holders]), tuple(p.shape), p.element_size()))
+        gathered = all_gather_objects((mine, base_flops))
+        catalogue = {key: (shape, size) for entries, _ in gathered for key, shape, size in entries}
+        # One order on every rank: by holders, then position in the holders' common parameter order.
+        self.keys = sorted(catalogue)
+        self.shapes = [catalogue[k][0] for k in self.keys]
+        costs = [ns_flops(shape, ns_steps) for shape in self.shapes]
+        self.owners = assign_owners(costs, len(gathered), [base for _, base in gathered])
+        self.local = {key: i for i, (key, _, _) in enumerate(mine)}
+        sizes = [math.prod(shape) * catalogue[k][1] for k, shape in zip(self.keys, self.shapes)]
+        self.buckets = [self._plan(b, dist.get_rank(), len(gathered)) for b in _bucketed(sizes, bucket_bytes)]
 
-    def _bucketed(self, bucket_bytes: int) -> list[list[int]]:
-        buckets: list[list[int]] = [[]]
-        size = 0
-        for i, p in enumerate(self.params):
-            nbytes = p.numel() * p.element_size()
-            if buckets[-1] and size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(i)
-            size += nbytes
-        return buckets
-
-    def _plan(self, members: list[int], me: int) -> _Bucket:
+    def _plan(self, members: list[int], me: int, world: int) -> _Bucket:
         b = _Bucket()
-        by_owner = [[i for i in members if self.owners[i] == r] for r in range(self.size)]
-        order = [i for r in range(self.size) for i in by_owner[r]]
-        indices = {i: local_flat_indices(self.params[i]) for i in order}
-        first = {i: is_first_replica(self.params[i]) for i in order}
-        device = self.params[0].device
+        # Matrices this rank holds, by owner; matrices this rank owns, by holder.
+        to = [[m for m in members if self.owners[m] == r and self.keys[m] in self.local] for r in range(world)]
+        held_by = [[m for m in members if self.owners[m] == me and r in self.keys[m][0]] for r in range(world)]
+        order = [m for r in range(world) for m in to[r]]
+        local = {m: self.params[self.local[self.keys[m]]] for m in order}
+        indices = {m: local_flat_indices(local[m]) for m in order}
+        first = {m: is_first_replica(local[m]) for m in order}
+        device = self.device
         # Sizes first (each holder's part of each matrix, and whether it is a first replica), then
         # the index maps themselves: both as the results will move, holders -> owner.
-        sizes = torch.tensor([v for i in order for v in (indices[i].numel(), int(first[i]))], dtype=torch.int64,
+        sizes = torch.tensor([v for m in order for v in (indices[m].numel(), int(first[m]))], dtype=torch.int64,
                              device=device)
-        counts = [2 * len(by_owner[r]) for r in range(self.size)]
-        got = _exchange(sizes, counts, [2 * len(by_owner[me])] * self.size, self.group).view(
-            self.size, len(by_owner[me]), 2).tolist()
-        idx = torch.cat([indices[i] for i in order]) if order else torch.empty(0, dtype=torch.int64, device=device)
-        sent = [sum(indices[i].numel() for i in by_owner[r]) for r in range(self.size)]
-        got_idx = _exchange(idx, sent, [sum(n for n, _ in got[r]) for r in range(self.size)], self.group)
+        got_sizes = _exchange(sizes, [2 * len(t) for t in to], [2 * len(h) for h in held_by])
+        got = [[] for _ in range(world)]
+        flat = got_sizes.tolist()
+        pos = 0
+        for r in range(world):
+            got[r] = [(flat[pos + 2 * j], flat[pos + 2 * j + 1]) for j in range(len(held_by[r]))]
+            pos += 2 * len(held_by[r])
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        idx = torch.cat([indices[m] for m in order]) if order else empty
+        sent = [sum(indices[m].numel() for m in to[r]) for r in range(world)]
+        got_idx = _exchange(idx, sent, [sum(n for n, _ in got[r]) for r in range(world)])
         offsets = {}
-        for i in by_owner[me]:
-            offsets[i] = b.numel
-            b.owned.append((i, b.numel, self.params[i].shape))
-            b.numel += self.params[i].numel()
+        for m in members:
+            if self.owners[m] == me:
+                offsets[m] = b.numel
+                shape = torch.Size(self.shapes[m])
+                b.owned.append((m, b.numel, shape))
+                b.numel += shape.numel()
         gather, scatter, pos = [], [], 0
-        for r in range(self.size):
+        for r in range(world):
             gathered = 0
-            for (n, is_first), i in zip(got[r], by_owner[me]):
-                part = got_idx[pos:pos + n] + offsets[i]
+            for (n, is_first), m in zip(got[r], held_by[r]):
+                part = got_idx[pos:pos + n] + offsets[m]
                 pos += n
                 scatter.append(part)
                 if is_first:
@@ -159,13 +186,12 @@ class OwnedExchange:
                     gathered += n
             b.recv_splits.append(gathered)
             b.back_send_splits.append(sum(n for n, _ in got[r]))
-        empty = torch.empty(0, dtype=torch.int64, device=device)
         b.gather_idx = torch.cat(gather) if gather else empty
         b.scatter_idx = torch.cat(scatter) if scatter else empty
-        b.send_params = [i for i in order if first[i]]
-        b.send_splits = [sum(indices[i].numel() for i in by_owner[r] if first[i]) for r in range(self.size)]
+        b.send_params = [self.local[self.keys[m]] for m in order if first[m]]
+        b.send_splits = [sum(indices[m].numel() for m in to[r] if first[m]) for r in range(world)]
         b.back_recv_splits = sent
-        b.back_params = [(i, self.params[i].to_local().shape) for i in order]
+        b.back_params = [(self.local[self.keys[m]], local[m].to_local().shape) for m in order]
         return b
 
     def run(self, updates: Sequence[torch.Tensor], orthogonalize, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -184,7 +210,7 @@ class OwnedExchange:
             full.index_copy_(0, b.gather_idx, recv)
             results = [orthogonalize(full[off:off + shape.numel()].view(shape)).reshape(-1) for _, off, shape in b.owned]
             flat = torch.cat(results) if results else full.new_empty(0, dtype=dtype)
-            back = _exchange(flat.index_select(0, b.scatter_idx), b.back_send_splits, b.back_recv_splits, self.group)
+            back = _exchange(flat.index_select(0, b.scatter_idx), b.back_send_splits, b.back_recv_splits)
             pos = 0
             for i, shape in b.back_params:
                 out[i] = back[pos:pos + shape.numel()].view(shape)
@@ -193,7 +219,7 @@ class OwnedExchange:
 
     def _send(self, b: _Bucket, updates: Sequence[torch.Tensor]):
         parts = [updates[i].reshape(-1) for i in b.send_params]
-        send = torch.cat(parts) if parts else updates[0].new_empty(0)
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         recv = send.new_empty(sum(b.recv_splits))
-        work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, async_op=True)
         return recv, work

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import time
 from typing import Callable
 
 import torch
@@ -13,7 +11,6 @@ from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
 from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
-from trainer.distributed import from_rank0
 from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
 from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
 from trainer.step_hooks import StepHook
@@ -36,34 +33,28 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
     return {}
 
 
-def cpu_matmul_ms(dtype: torch.dtype, repeats: int = 5) -> float:
-    """The best of `repeats` timings of one `[256, 1024] x [1024, 256]` CPU matmul in `dtype`, in ms:
-    a Newton-Schulz Gram product at the debug model's scale (its own generator: the run's seeded
-    RNG is untouched)."""
-    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
-    x @ x.T  # the first call picks and warms the kernel
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x @ x.T
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best
+def cpu_has_bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware tiles (Intel AMX): there a bf16 matmul
+    is several times faster than fp32. Elsewhere, AVX-512 BF16 included, oneDNN's bf16 matmul is
+    slower than fp32 (benchmarks/RESULTS.md, "Newton-Schulz dtype on CPU"). A capability flag, not
+    a timing, so every rank and every restart of a run decides the same (a resume stays exact).
+    ``torch.cpu._is_amx_tile_supported`` is private; a torch without it counts as no AMX."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
 
 
 def ns_dtype_for(setting: str, params: list[torch.Tensor]) -> torch.dtype:
-    """`muon_ns_dtype`: `bfloat16` / `float32` as given; `auto` is bf16 on GPUs, and on CPUs bf16
-    where a bf16 matmul is at least as fast as an fp32 one (AMX or a fast AVX-512 BF16 path), else
-    fp32: CPUs without bf16 matrix units convert and multiply bf16 slower than fp32. Rank 0's
-    probe decides for every rank (all ranks must agree: owners orthogonalise for the others)."""
+    """`muon_ns_dtype`: `bfloat16` / `float32` as given; `auto` is bf16 on GPUs and on CPUs with
+    bf16 matrix units (`cpu_has_bf16_matrix_units`), fp32 on other CPUs. Logged once."""
     if setting != "auto":
         return STATE_DTYPES[setting]
     if any(p.device.type == "cuda" for p in params):
-        logger.info("muon: Newton-Schulz in bfloat16 (auto: GPU)")
-        return torch.bfloat16
-    fp32, bf16 = from_rank0((cpu_matmul_ms(torch.float32), cpu_matmul_ms(torch.bfloat16)))
-    dtype = torch.bfloat16 if bf16 <= fp32 else torch.float32
-    logger.info("muon: Newton-Schulz in %s (auto: a CPU matmul takes %.2f ms in bf16, %.2f ms in fp32)",
-                str(dtype).removeprefix("torch."), bf16, fp32)
+        why, dtype = "a GPU", torch.bfloat16
+    elif cpu_has_bf16_matrix_units():
+        why, dtype = "a CPU with AMX bf16 tiles", torch.bfloat16
+    else:
+        why, dtype = f"a CPU without AMX ({torch.backends.cpu.get_cpu_capability()}): fp32 multiplies faster", torch.float32
+    logger.info("muon: Newton-Schulz in %s (muon_ns_dtype = auto on %s)", str(dtype).removeprefix("torch."), why)
     return dtype
 
 
