@@ -1,7 +1,7 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process (in this one: tests/e2e/in_process.py) and HSDP 2x2
+settings). FSDP 2 and pp 2 x FSDP 2 run 6 steps of their own. Launches are shared: one process (in this one: tests/e2e/in_process.py) and HSDP 2x2
 run 6 steps with a checkpoint at step 3; FSDP 4 x EP 2 resumes HSDP 2x2's step-3 checkpoint (into
 FSDP's strided shards on top of the expert shards, efsdp 2), TP 2 the single process's, and each
 continues the single process's steps 4-6 (rel 1e-5). So every layout's Muon steps, with their
@@ -28,6 +28,12 @@ SINGLE = (1, ["--training.local_batch_size", "8"])
 FSDP_4_EP_2 = (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--training.local_batch_size", "2"])
 HSDP_2X2 = (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"])
 TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
+# Straight runs of their own (no checkpoint): Newton-Schulz on owners across a data-parallel group,
+# and across pipeline stages (owners are balanced over all ranks, trainer/muon_owners.py).
+STRAIGHT = {
+    "fsdp_2": (2, ["--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
+    "pp_2_fsdp_2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
+}
 # Constant LR after a 2-step warmup: the LR of a step does not depend on training.steps.
 SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 RUN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", str(STEPS)]
@@ -87,3 +93,12 @@ def test_switching_optimizer_on_resume(single, tmp_path, capfd):
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [STEPS + 1]  # weights and step from the checkpoint
     assert resumed[STEPS + 1]["lr"] == pytest.approx(single[0][STEPS]["lr"])  # warmup over: the schedule's peak LR
     assert "starts afresh" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("name", list(STRAIGHT))
+def test_owned_newton_schulz_layouts_match_one_process(single, name):
+    nproc, flags = STRAIGHT[name]
+    got = run_layout(single[1].parent / name, nproc, [*COMMON, *MUON, *SCHEDULE, *CLIP, "--training.steps", str(STEPS),
+                                                      *flags])
+    for step in range(1, STEPS + 1):
+        assert_close(f"{name} step {step}", got[step]["loss"], single[0][step]["loss"])
