@@ -1,14 +1,14 @@
-"""Owned Newton-Schulz: each sharded Muon matrix is orthogonalised by one rank of its group.
+"""Owned Newton-Schulz: each sharded Muon matrix is orthogonalised by one rank.
 
 Newton-Schulz (NS) needs a whole matrix. Gathering every sharded matrix on every rank and
 orthogonalising it there makes each rank pay the whole model's NS whatever the world size.
 Instead (as torchtitan's DistMuon, Megatron's layer-wise distributed optimizer and Dion do):
 
-* the ranks that hold a matrix (its DTensor mesh: FSDP, HSDP's replicas, TP, a pipeline stage's
-  data-parallel ranks) agree on one owner per matrix, by longest-processing-time-first balancing
-  of the NS cost (`assign_owners`): a pure function of the shapes and the group size, so every
-  rank computes the same owners with no communication, and benchmarks/optim_bench.py computes
-  the 671B figures with the same code (`owned_ns_flops`);
+* every matrix held by several ranks (its DTensor mesh: FSDP, HSDP's replicas, TP, a pipeline
+  stage's data-parallel ranks) gets one owner, by longest-processing-time-first balancing of the
+  NS cost over all ranks, starting from the expert stacks each rank orthogonalises anyway
+  (`assign_owners`): a pure function of the shapes and rank count, so every rank computes the
+  same owners, and benchmarks/optim_bench.py computes the 671B figures with the same code;
 * the matrices move in buckets of whole tensors, one `all_to_all_single` per bucket and
   direction (`OwnedExchange`): each holder sends its part of the update to the owner, the owner
   assembles the matrix, orthogonalises it, and sends each holder its part of the result. Replicas
@@ -19,6 +19,8 @@ Where each element of a rank's part sits in the whole matrix is read from DTenso
 (`trainer.distributed.local_flat_indices`), so every placement DTensor has (FSDP's strided shards
 on TP's, uneven shards) moves exactly, and the owner's matrix is bitwise the gathered one: every
 layout's update stays one process's. The index maps are exchanged once, when the plan is built.
+Hand-rolled rather than DTensor redistributions: those would be one collective per parameter and
+would deliver every matrix to every rank of its mesh.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ class OwnedExchange:
         return out
 
     def _send(self, b: _Bucket, updates: Sequence[torch.Tensor]):
-        parts = [updates[i].reshape(-1) for i in b.send_params]
+        parts = [updates[i].reshape(-1).to(self.dtype) for i in b.send_params]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         recv = send.new_empty(sum(b.recv_splits))
         work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, async_op=True)
