@@ -2,8 +2,9 @@
 of 4 gloo ranks, counting this rank's Newton-Schulz calls (`trainer.muon.newton_schulz` per
 matrix, `batched_newton_schulz` per expert stack) and their FLOPs.
 
-Both layouts run in the same 4 processes, one after the other (the second trainer joins a fresh
-process group on its own port): each process imports torch once.
+Both layouts, and a bitwise check of the owned NS in each placement a 2-D parameter gets
+(`_placements`), run in the same 4 processes one after the other (each joins a fresh process
+group on its own port): each process imports torch once.
 """
 
 from __future__ import annotations
@@ -56,9 +57,53 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
         trainer.close()
 
 
-def run(rank: int, world: int, port: int, workdir: str, second_port: int, queue) -> None:
+def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
+    """Two Muon steps on matrices of odd shapes in each placement the trainer's layouts give a
+    2-D parameter (FSDP, HSDP, FSDP x TP by rows and columns, FSDP over TP's dim, replicated),
+    small buckets: whether each layout's weights equal one process's bitwise."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from trainer.diagnostics import init_local_gloo
+    from trainer.muon import MuonAdamW
+
+    init_local_gloo(rank, world, port)
+    shapes = [(24, 40), (7, 9), (33, 16), (5, 64), (64, 8)]
+    gen = torch.Generator().manual_seed(0)
+    w0 = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+    flat, grid = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    layouts = {
+        "fsdp": (flat, [Shard(0)]), "hsdp": (grid, [Replicate(), Shard(0)]), "fsdp_tp_rows": (grid, [Shard(0), Shard(1)]),
+        "fsdp_over_tp": (grid, [_StridedShard(0, split_factor=2), Shard(0)]), "replicated": (flat, [Replicate()]),
+    }
+    kw = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, ns_dtype=torch.float32)
+
+    def trained(place) -> list[torch.Tensor]:
+        params = [nn.Parameter(place(w.clone())) for w in w0]
+        opt = MuonAdamW([{"params": params, "muon": True}], bucket_bytes=4000, **kw)  # several buckets
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = place(g.clone())
+            opt.step()
+        return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+
+    want = trained(lambda t: t)
+    out = {}
+    for name, (mesh, placements) in layouts.items():
+        got = trained(lambda t: distribute_tensor(t, mesh, placements, src_data_rank=None))
+        out[name] = all(torch.equal(a, b) for a, b in zip(got, want))
+    dist.destroy_process_group()
+    return out
+
+
+def run(rank: int, world: int, port: int, workdir: str, ports: list[int], queue) -> None:
     torch.set_num_threads(1)
     out = {"rank": rank}
-    for (name, flags), layout_port in zip(LAYOUTS.items(), (port, second_port)):
+    for (name, flags), layout_port in zip(LAYOUTS.items(), (port, *ports)):
         out[name] = _one_layout(rank, world, layout_port, Path(workdir) / name, flags)
+    out["placements"] = _placements(rank, world, ports[-1])
     queue.put(out)

@@ -5,7 +5,9 @@ Newton-Schulz calls (tests/distributed/muon_owner_worker.py).
 The calls summed over the ranks are the model's 2-D Muon matrices, each once (its owner's), plus
 one batched call per local expert stack on every rank; the busiest rank's NS FLOPs (expert stacks
 included) stay within 25% of the mean (printed): owners are balanced over all ranks, so the pipeline
-stage with more matrices hands some to the other stage's ranks."""
+stage with more matrices hands some to the other stage's ranks. In the same processes, two Muon
+steps in each placement a 2-D parameter gets (FSDP, HSDP, FSDP x TP, FSDP over TP's dim,
+replicated) give one process's weights bitwise."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from trainer.diagnostics import free_port, spawn_local
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     workdir = tmp_path_factory.mktemp("muon_owners")
-    out = spawn_local(muon_owner_worker.run, 4, str(workdir), free_port(), timeout=300)
+    out = spawn_local(muon_owner_worker.run, 4, str(workdir), [free_port(), free_port()], timeout=300)
     return sorted(out, key=lambda r: r["rank"])
 
 
@@ -38,3 +40,9 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
     mean = sum(flops) / len(flops)
     print(f"{layout}: NS FLOPs per rank {[f'{f:.3g}' for f in flops]}, max / mean {max(flops) / mean:.3f}")
     assert max(flops) <= 1.25 * mean
+
+
+@pytest.mark.slow
+def test_every_placement_gives_one_process_weights_bitwise(ranks):
+    for r in ranks:
+        assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 5, r["placements"]
