@@ -115,13 +115,13 @@ class MuonAdamW(torch.optim.Optimizer):
     corrections need no read of the device). Buffers are created like the parameter (DTensors with
     its placements), so DCP reshards them into any layout; their dtype is `state_dtype`.
     `bucket_bytes` caps the whole matrices one collective moves to their NS owners
-    (`trainer.muon_owners`).
+    (`trainer.muon_owners`); `chunk_numel` the elements of one run of foreach calls (`_chunks`).
     """
 
     def __init__(
         self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, state_dtype: torch.dtype = torch.float32,
-        ns_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 256 * 2**20,
+        ns_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 256 * 2**20, chunk_numel: int = 2**20,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon=False, step=0)
@@ -129,6 +129,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype
         self.bucket_bytes = bucket_bytes
+        self.chunk_numel = chunk_numel
         self._exchanges: dict[int, OwnedExchange] = {}
         self.register_load_state_dict_post_hook(_restore_state_dtype)
 
@@ -163,11 +164,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_(self, params: list[torch.Tensor], group: dict) -> None:
         mu, lr = group["momentum"], group["lr"]
-        grads = [local_tensor(p.grad) for p in params]
-        stored, bufs = self._buffers(params, "momentum_buffer")
-        torch._foreach_lerp_(bufs, grads, 1 - mu)
-        self._store(stored, bufs)
-        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        updates = []
+        for chunk in _chunks(params, self.chunk_numel):
+            grads = [local_tensor(p.grad) for p in chunk]
+            stored, bufs = self._buffers(chunk, "momentum_buffer")
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            self._store(stored, bufs)
+            updates += torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
         orthos = self._orthogonalize(group, params, updates)
         weights = [local_tensor(p) for p in params]
         torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
@@ -209,10 +212,13 @@ class MuonAdamW(torch.optim.Optimizer):
         return self._exchanges[key]
 
     def _adamw_(self, params: list[torch.Tensor], group: dict) -> None:
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
         group["step"] += 1
-        step = group["step"]
+        for chunk in _chunks(params, self.chunk_numel):
+            self._adamw_chunk(chunk, group)
+
+    def _adamw_chunk(self, params: list[torch.Tensor], group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, step = group["lr"], group["step"]
         grads = [local_tensor(p.grad) for p in params]
         weights = [local_tensor(p) for p in params]
         stored_avg, exp_avgs = self._buffers(params, "exp_avg")
@@ -229,6 +235,23 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, math.sqrt(1 - beta2**step))
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-lr / (1 - beta1**step))
+
+
+def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
+    """`params` in consecutive runs of at most `numel` elements (or one tensor): the foreach
+    temporaries (fp32 copies of bf16 states, AdamW's denominators) of one run at a time. Whole-group
+    temporaries cost a CPU 1.4x on a 58M-parameter model (page faults, cache); a GPU still gets a
+    few kernels per run."""
+    runs: list[list[torch.Tensor]] = [[]]
+    total = 0
+    for p in params:
+        n = local_tensor(p).numel()
+        if runs[-1] and total + n > numel:
+            runs.append([])
+            total = 0
+        runs[-1].append(p)
+        total += n
+    return runs
 
 
 def _shared_matrix(p: torch.Tensor) -> bool:
