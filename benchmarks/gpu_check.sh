@@ -21,7 +21,8 @@
 #      tokens/s and peak memory side by side; docs/performance.md has the decision rule.
 #   G  optim_bench proxy_1b on one GPU: the optimizer step time of AdamW with fp32 states (torch's
 #      fused), AdamW with bf16 states and Muon (bf16 Newton-Schulz, batched per expert stack), and
-#      the host reads of one step (issue 32).
+#      the host reads of one step, and batched vs one-matrix-at-a-time bf16 NS of an expert stack
+#      (bitwise equal?, largest difference) (issue 32).
 # A failed or timed-out measurement shows as "failed" in the table (its log says why); the
 # others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
 set -u
@@ -96,7 +97,7 @@ run E "$PY" "$ROOT/benchmarks/step_bench.py" "${E_ARGS[@]}" "${TIMING[@]}" --dev
     --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/E.json"
 run F "$PY" "$ROOT/benchmarks/step_bench.py" "${F_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" --json "$OUT_DIR/F.json"
 run G "$PY" "$ROOT/benchmarks/optim_bench.py" "${G_ARGS[@]}" --worlds 1 --device "$DEVICE" \
-    --settings AdamW:float32,AdamW:bfloat16,muon:float32 --json "$OUT_DIR/G.json"
+    --settings AdamW:float32,AdamW:bfloat16,muon:float32 --json "$OUT_DIR/G.json" --ns-compare "$OUT_DIR/G_ns.json"
 
 "$PY" - "$OUT_DIR" <<'EOF'
 import json
@@ -185,6 +186,10 @@ else:
     for r in g[1:]:
         rows.append((f"G {r['optimizer']} {r['state_dtype']} / AdamW float32", "optimizer step time ratio",
                      fmt(r["step_ms"] / base, ".2f")))
+    ns = json.loads((out / "G_ns.json").read_text())
+    where = f"G expert stack {'x'.join(map(str, ns['shape']))} {ns['dtype']} NS, batched vs per matrix"
+    rows.append((where, "bitwise equal", str(ns["bitwise_equal"])))
+    rows.append((where, "max abs difference", fmt(ns["max_abs_diff"], ".3g")))
 
 device = next((x["device"] for x in (a, b, c, d, e, f) if x is not None), "unknown")
 print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")

@@ -23,6 +23,7 @@ built on the meta device.
     python benchmarks/optim_bench.py                                   # debugmodel, worlds 1,2,4
     python benchmarks/optim_bench.py --model-override dim=512 --model-override moe_inter_dim=512
     python benchmarks/optim_bench.py --flops-671b
+    python benchmarks/optim_bench.py --worlds 1 --ns-compare ns.json   # batched vs per-matrix expert NS
 """
 
 from __future__ import annotations
@@ -173,6 +174,22 @@ def measured(a, argv: list[str]) -> list[dict]:
     return rows
 
 
+def ns_compare(args, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+    """Batched NS of one routed-expert stack of the flavor vs the same matrices one at a time, in
+    `dtype` on `device`: whether they are bitwise equal, and the largest difference (the results'
+    entries are O(0.1))."""
+    from trainer.muon import batched_newton_schulz, newton_schulz
+
+    gen = torch.Generator().manual_seed(seed)
+    stack = torch.randn(args.moe.num_experts, args.moe_inter_dim, args.dim, generator=gen).to(device)
+    batched = batched_newton_schulz(stack, 5, dtype)
+    single = torch.stack([newton_schulz(m, 5, dtype) for m in stack])
+    return {"shape": list(stack.shape), "dtype": str(dtype).removeprefix("torch."),
+            "bitwise_equal": bool(torch.equal(batched, single)),
+            "max_abs_diff": (batched.float() - single.float()).abs().max().item(),
+            "max_abs": single.float().abs().max().item()}
+
+
 def _stage_of(name: str, n_layers: int, pp: int) -> int:
     """The pipeline stage of a parameter when `n_layers` blocks are split evenly over `pp` stages,
     MTP on the last (an estimate of the trainer's cost-based split)."""
@@ -258,6 +275,8 @@ def _parse(argv: list[str] | None):
     p.add_argument("--settings", type=lambda s: [tuple(x.split(":")) for x in s.split(",")], default=list(SETTINGS),
                    help="comma-separated optimizer:state_dtype pairs (default: all four)")
     p.add_argument("--flops-671b", action="store_true", help="the 671B flavor's NS FLOPs per rank instead")
+    p.add_argument("--ns-compare", default=None, metavar="PATH",
+                   help="also write there the batched vs one-matrix-at-a-time NS of one expert stack (NS dtype of --device)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     return p.parse_args(argv)
 
@@ -268,6 +287,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     a = _parse(argv)
     rows = flops_671b() if a.flops_671b else measured(a, argv)
+    if a.ns_compare:
+        device = torch.device(a.device)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+            a.ns_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        result = ns_compare(apply_overrides(get_flavor(a.flavor), a.model_override), device, dtype, a.seed)
+        print(f"batched vs per-matrix NS {result}")
+        Path(a.ns_compare).write_text(json.dumps(result))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return rows

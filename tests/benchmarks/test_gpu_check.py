@@ -50,3 +50,4 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     assert [(r["optimizer"], r["state_dtype"]) for r in g] == [("AdamW", "float32"), ("AdamW", "bfloat16"),
                                                               ("muon", "float32")]
     assert all(r["step_ms"] > 0 and r["host_reads"] == 0 for r in g) and g[2]["ns_calls_max"] > 0
+    assert "| bitwise equal | True |" in table  # batched expert NS on CPU (fp32 in the dry run)
