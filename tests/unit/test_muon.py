@@ -51,9 +51,12 @@ def test_expert_stack_is_orthogonalised_per_matrix(shape, dtype):
 
 
 def test_step_reads_nothing_from_the_device_and_counts_steps_per_group():
+    import dataclasses
+
     from trainer.diagnostics import HostReadCounter
 
-    args = get_flavor("debugmodel")
+    args = dataclasses.replace(get_flavor("debugmodel"), n_layers=2, dim=32, inter_dim=64, moe_inter_dim=16, n_heads=2,
+                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, vocab_size=64)
     torch.manual_seed(0)
     model = DeepSeekV3Model(args)
     cfg = JobConfig().optimizer
