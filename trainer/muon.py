@@ -40,7 +40,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_v
 
 from models.moe.experts import GroupedExperts
 from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
-from trainer.muon_owners import OwnedExchange, ns_flops
+from trainer.muon_owners import OwnedExchange, consecutive_runs, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -242,16 +242,7 @@ def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
     temporaries (fp32 copies of bf16 states, AdamW's denominators) of one run at a time. Whole-group
     temporaries cost a CPU 1.4x on a 58M-parameter model (page faults, cache); a GPU still gets a
     few kernels per run."""
-    runs: list[list[torch.Tensor]] = [[]]
-    total = 0
-    for p in params:
-        n = local_tensor(p).numel()
-        if runs[-1] and total + n > numel:
-            runs.append([])
-            total = 0
-        runs[-1].append(p)
-        total += n
-    return runs
+    return [[params[i] for i in run] for run in consecutive_runs([local_tensor(p).numel() for p in params], numel)]
 
 
 def _shared_matrix(p: torch.Tensor) -> bool:

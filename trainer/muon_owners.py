@@ -78,17 +78,17 @@ def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     return recv
 
 
-def _bucketed(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive runs of the matrices of `sizes` bytes, each at most `bucket_bytes` (or one matrix)."""
-    buckets: list[list[int]] = [[]]
+def consecutive_runs(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """The indices of `sizes` in consecutive runs summing to at most `limit` (or one item)."""
+    runs: list[list[int]] = [[]]
     total = 0
     for i, size in enumerate(sizes):
-        if buckets[-1] and total + size > bucket_bytes:
-            buckets.append([])
+        if runs[-1] and total + size > limit:
+            runs.append([])
             total = 0
-        buckets[-1].append(i)
+        runs[-1].append(i)
         total += size
-    return buckets
+    return runs
 
 
 @dataclass
@@ -142,7 +142,7 @@ class OwnedExchange:
         self.owners = assign_owners(costs, len(gathered), [base for _, base in gathered])
         self.local = {key: i for i, (key, _, _) in enumerate(mine)}
         sizes = [math.prod(shape) * catalogue[k][1] for k, shape in zip(self.keys, self.shapes)]
-        self.buckets = [self._plan(b, dist.get_rank(), len(gathered)) for b in _bucketed(sizes, bucket_bytes)]
+        self.buckets = [self._plan(b, dist.get_rank(), len(gathered)) for b in consecutive_runs(sizes, bucket_bytes)]
 
     def _plan(self, members: list[int], me: int, world: int) -> _Bucket:
         b = _Bucket()
