@@ -1,7 +1,8 @@
 """Muon (with QK-clip) through run_train.sh in every layout: the same losses as one process.
 
 fp32, deterministic, global batch 8, the debug model at seq_len 32 (tests/e2e/test_layout_parity.py's
-settings). Launches are shared: one process (in this one: tests/e2e/in_process.py, a checkpoint
+settings). FSDP 2 and pp 2 x FSDP 2 (owned Newton-Schulz within a data-parallel group and across
+pipeline stages) run 6 steps of their own. Launches are shared: one process (in this one: tests/e2e/in_process.py, a checkpoint
 every step) and HSDP 2x2 (a checkpoint at step 3) run 6 steps; FSDP 4 x EP 2 resumes HSDP 2x2's
 step-3 checkpoint (into FSDP's strided shards on top of the expert shards, efsdp 2) and continues
 the single process's steps 4-6, TP 2 resumes the single process's step-1 checkpoint and continues
@@ -37,6 +38,12 @@ TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
 # Resumed layouts: name -> (the run whose checkpoint it resumes, at which step, its layout). TP 2
 # resumes step 1 so that its five steps (2-6) clip three times (2, 4, 6).
 RESUMED = {"fsdp_4_ep_2": ("hsdp_2x2", MID, FSDP_4_EP_2), "tp_2": ("single", 1, TP_2)}
+# Straight runs of their own (no checkpoint): Newton-Schulz on owners across a data-parallel group,
+# and across pipeline stages (owners are balanced over all ranks, trainer/muon_owners.py).
+STRAIGHT = {
+    "fsdp_2": (2, ["--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
+    "pp_2_fsdp_2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
+}
 # Constant LR after a 2-step warmup: the LR of a step does not depend on training.steps.
 SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 RUN = [*COMMON, *MUON, *CKPT, *SCHEDULE, "--training.steps", str(STEPS)]
@@ -125,3 +132,13 @@ def test_switching_optimizer_on_resume(single, tmp_path, capfd):
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [STEPS + 1]  # weights and step from the checkpoint
     assert resumed[STEPS + 1]["lr"] == pytest.approx(single[0][STEPS]["lr"])  # warmup over: the schedule's peak LR
     assert "starts afresh" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("name", list(STRAIGHT))
+def test_owned_newton_schulz_layouts_match_one_process(single, name):
+    nproc, flags = STRAIGHT[name]
+    got = run_layout(single[1].parent / name, nproc, [*COMMON, *MUON, *SCHEDULE, *CLIP, "--training.steps", str(STEPS),
+                                                      *flags])
+    for step in range(1, STEPS + 1):
+        assert_close(f"{name} step {step}", got[step]["loss"], single[0][step]["loss"])
+    _assert_same_clips(name, got, single[0], CLIP_STEPS)
