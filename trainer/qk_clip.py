@@ -69,14 +69,17 @@ class QKClip(StepHook):
         every: clip every N-th step (`optimizer.qk_clip_every`).
         mesh: the data and context ranks whose maxima are combined (None: one process).
         tp_mesh: the tensor-parallel ranks, over which the heads are split (None: no TP).
+        pp_mesh: the pipeline ranks, over which the layers are split (None: no PP); only the
+            metrics cross it (each stage clips its own layers).
     """
 
-    def __init__(self, model: nn.Module, threshold: float, every: int, mesh=None, tp_mesh=None):
+    def __init__(self, model: nn.Module, threshold: float, every: int, mesh=None, tp_mesh=None, pp_mesh=None):
         self.layers = mla_modules(model)
         self.threshold = threshold
         self.every = every
         self.group = mesh.get_group() if mesh is not None else None
         self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        self.pp_group = pp_mesh.get_group() if pp_mesh is not None else None
         tp = tp_mesh.size() if tp_mesh is not None else 1
         for _, attn in self.layers:
             # On the CPU whatever the model's device: the eager `if` and the compiled `torch.cond`
@@ -128,8 +131,13 @@ class QKClip(StepHook):
         how many heads were clipped; empty before the first clip step."""
         if self._max is None:
             return {}
-        per_layer = self._max.amax(dim=1).tolist()
-        stats = {f"max_logit/{name}": v for (name, _), v in zip(self.layers, per_layer)}
-        stats["max_logit"] = max(per_layer)
-        stats["qk_clipped_heads"] = int(self._clipped.sum())
-        return stats
+        per_layer = dict(zip((f"max_logit/{name}" for name, _ in self.layers), self._max.amax(dim=1).tolist()))
+        clipped = int(self._clipped.sum())
+        if self.pp_group is not None:
+            # Each stage holds its own layers: every stage's, as one process reports them (a
+            # collective of every pipeline rank, on logging steps only).
+            stages = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, (per_layer, clipped), group=self.pp_group)
+            per_layer = {k: v for layers, _ in stages for k, v in layers.items()}
+            clipped = sum(n for _, n in stages)
+        return {**per_layer, "max_logit": max(per_layer.values()), "qk_clipped_heads": clipped}

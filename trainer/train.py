@@ -200,7 +200,7 @@ class Trainer:
         if o.qk_clip:
             self.step_hooks.append(QKClip(
                 self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh,
-                self.parallel_dims.mesh_or_none("tp"),
+                self.parallel_dims.mesh_or_none("tp"), self.parallel_dims.mesh_or_none("pp"),
             ))
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
