@@ -2,7 +2,7 @@
 # Every GPU measurement of the MoE-step efficiency work (issue 13) in one run, one table at the end.
 # Installs nothing: needs torch with CUDA (and torchao for float8) already importable.
 #
-#   bash benchmarks/gpu_check.sh                     # ~6 minutes on one H100 without F (F: two compiled proxy_1b)
+#   bash benchmarks/gpu_check.sh                     # ~7 minutes on one H100 without F (F: two compiled proxy_1b)
 #   GPU_CHECK_OUT=$OUT bash benchmarks/gpu_check.sh  # keep the JSON results, logs and traces there
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh # the same commands at tiny sizes on CPU (wiring test)
 #
@@ -19,6 +19,13 @@
 #   F  step_bench proxy_1b, bf16, compile, batch 4 x 4096, one process: the weight-cast policy A/B,
 #      FSDP2 on a one-rank mesh (the default) vs plain autocast (training.one_process_cast),
 #      tokens/s and peak memory side by side; docs/performance.md has the decision rule.
+#   G  moe_overlap_bench: [parallelism] moe_overlap on vs off, dp_shard 2 x ep 2 on 2 GPUs (NCCL),
+#      16B n_layers=4 widths, bf16, 4 micro-batches of 1 x 4096, no injected delay: the step-time
+#      ratio (issue 31). Skipped on a machine with one GPU (EP needs a GPU per rank).
+#   H  optim_bench proxy_1b on one GPU: the optimizer step time of AdamW with fp32 states (torch's
+#      fused), AdamW with bf16 states and Muon (bf16 Newton-Schulz, batched per expert stack), and
+#      the host reads of one step, and batched vs one-matrix-at-a-time bf16 NS of an expert stack
+#      (bitwise equal?, largest difference) (issue 32).
 # A failed or timed-out measurement shows as "failed" in the table (its log says why); the
 # others still run. GPU_CHECK_STEP_TIMEOUT (seconds, default 240) bounds each one.
 set -u
@@ -44,7 +51,10 @@ if [ "$DRY" = "1" ]; then
     C_ARGS=(--flavor debugmodel --tokens 256 --dtype fp32 --rounds 2 --warmup 1)
     E_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager)
     F_ARGS=("${SMALL[@]}" --dtype bf16 --batch-size 1 --variants eager,eager_autocast)
+    H_ARGS=(--flavor debugmodel --model-override n_layers=2 --steps 1 --warmup 1)
     TIMING=(--steps 1 --repeats 1 --warmup 1)
+    G_ARGS=(--device cpu --flavor debugmodel --model-override n_layers=2 --seq-len 32 --micro-batches 2 --steps 1)
+    GPUS=2
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); skipping every GPU measurement."
@@ -67,7 +77,10 @@ print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m)
     C_ARGS=(--flavor proxy_1b --tokens 16384 --dtype bf16)
     E_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
     F_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile,compile_autocast)
+    H_ARGS=(--flavor proxy_1b --steps 5 --warmup 2)
     TIMING=(--steps 5 --repeats 2 --warmup 2)
+    G_ARGS=(--device cuda --dtype bf16 --flavor 16B --model-override n_layers=4 --seq-len 4096 --micro-batches 4 --steps 3)
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 fi
 
 run() {  # name, command...: stdout+stderr to <name>.log, exit status to <name>.rc
@@ -90,6 +103,13 @@ run C "$PY" "$ROOT/benchmarks/moe_bench.py" "${C_ARGS[@]}" --device "$DEVICE"
 run E "$PY" "$ROOT/benchmarks/step_bench.py" "${E_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" \
     --profile --trace-dir "$OUT_DIR/traces" --json "$OUT_DIR/E.json"
 run F "$PY" "$ROOT/benchmarks/step_bench.py" "${F_ARGS[@]}" "${TIMING[@]}" --device "$DEVICE" --json "$OUT_DIR/F.json"
+if [ "$GPUS" -ge 2 ]; then
+    run G "$PY" "$ROOT/benchmarks/moe_overlap_bench.py" "${G_ARGS[@]}" --no-delay --json "$OUT_DIR/G.json"
+else
+    echo "needs 2 GPUs (one per ep rank), this machine has $GPUS" >"$OUT_DIR/G.skipped"
+fi
+run H "$PY" "$ROOT/benchmarks/optim_bench.py" "${H_ARGS[@]}" --worlds 1 --device "$DEVICE" \
+    --settings AdamW:float32,AdamW:bfloat16,muon:float32 --json "$OUT_DIR/H.json" --ns-compare "$OUT_DIR/H_ns.json"
 
 "$PY" - "$OUT_DIR" <<'EOF'
 import json
@@ -120,7 +140,7 @@ def fmt(value, spec):
 
 
 rows = []
-a, b, c, d, e, f = load("A"), load("B"), load("C"), load("D"), load("E"), load("F")
+a, b, c, d, e, f, g = load("A"), load("B"), load("C"), load("D"), load("E"), load("F"), load("G")
 for tag, res in (("A", a), ("E", e)):
     if res is None:
         rows.append((f"{tag} step proxy_1b", f"failed, see {tag}.log", last_line(tag)))
@@ -167,13 +187,38 @@ else:
         where = f"C moe_bench {c['flavor']} {c['tokens']} tokens {c['dtype']} {r['variant']}"
         rows.append((where, "time / dense ideal", fmt(r["ratio_to_ideal"], ".2f")))
 
+if (out / "G.skipped").exists():
+    rows.append(("G moe_overlap dp_shard 2 x ep 2", "skipped", (out / "G.skipped").read_text().strip()))
+elif (g := load("G")) is None:
+    rows.append(("G moe_overlap dp_shard 2 x ep 2", "failed, see G.log", last_line("G")))
+else:
+    ga = g["args"]
+    where = f"G moe_overlap {ga['flavor']} {' '.join(ga['model_override'])} {ga['dtype']} {ga['micro_batches']}x1x{ga['seq_len']}"
+    for rank, s in enumerate(g["summary"]):
+        rows.append((f"{where} rank {rank}", "step time on / off", fmt(s["ratio_no_delay"], ".3f")))
+if (h := load("H")) is None:
+    rows.append(("H optimizer step", "failed, see H.log", last_line("H")))
+else:
+    for r in h:
+        where = f"H optimizer step {r['optimizer']} {r['state_dtype']} states"
+        rows.append((where, "optimizer step ms", fmt(r["step_ms"], ".1f")))
+        rows.append((where, "host reads per optimizer step", fmt(r["host_reads"], "d")))
+    base = h[0]["step_ms"]
+    for r in h[1:]:
+        rows.append((f"H {r['optimizer']} {r['state_dtype']} / AdamW float32", "optimizer step time ratio",
+                     fmt(r["step_ms"] / base, ".2f")))
+    ns = json.loads((out / "H_ns.json").read_text())
+    where = f"H expert stack {'x'.join(map(str, ns['shape']))} {ns['dtype']} NS, batched vs per matrix"
+    rows.append((where, "bitwise equal", str(ns["bitwise_equal"])))
+    rows.append((where, "max abs difference", fmt(ns["max_abs_diff"], ".3g")))
+
 device = next((x["device"] for x in (a, b, c, d, e, f) if x is not None), "unknown")
 print(f"\ngpu_check on {device}; results, logs and traces in {out}\n")
 print("| measurement | figure | value |")
 print("|---|---|---|")
 for row in rows:
     print("| " + " | ".join(row) + " |")
-failed = [n for n in "ABCDEF" if (out / f"{n}.rc").read_text().strip() != "0"]
+failed = [n for n in "ABCDEFGH" if (out / f"{n}.rc").exists() and (out / f"{n}.rc").read_text().strip() != "0"]
 if failed:
     print(f"\nfailed: {', '.join(failed)} (see {', '.join(n + '.log' for n in failed)})")
 sys.exit(1 if failed else 0)

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.config.pipeline_layout import PP_SCHEDULES, default_microbatches, default_stages_per_rank
+from trainer.config.pipeline_layout import PP_SCHEDULES, PipelinePlan
 from trainer.diagnostics import spawn_local
 from trainer.run_folder import latest_run_folder
 
@@ -114,7 +114,7 @@ def even_layout(n_layers: int, mtp_depth: int, n_stages: int) -> str:
 
 
 def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
-    stages = default_stages_per_rank(schedule)
+    stages = PipelinePlan(pp=args.pp, pp_schedule=schedule).pp_stages_per_rank
     argv = [
         "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
         "--job.dump_folder", str(folder), "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
@@ -150,14 +150,16 @@ def memory_rows(gpus: int) -> list[dict]:
     from trainer.memory import estimate
 
     common = dict(flavor="671B", tp=1, cp=1, seq_len=4096, ac="full")
-    pipelined = dict(dp_shard=gpus // 16, ep=64, local_batch_size=32, pp=16, pp_microbatches=32)
+    pipelined = dict(dp_shard=gpus // 16, ep=64, local_batch_size=32)
+
+    def plan(schedule: str) -> PipelinePlan:
+        return PipelinePlan(pp=16, pp_schedule=schedule, pp_microbatches=32)
+
     layouts = [
         ("no PP: FSDP over all GPUs, EP 64", dict(dp_shard=gpus, ep=64, local_batch_size=1)),
-        ("PP 16 (1F1B) x FSDP, EP 64", dict(**pipelined, pp_schedule="1F1B")),
-        ("PP 16 (Interleaved1F1B, 2 stages/rank) x FSDP, EP 64",
-         dict(**pipelined, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)),
-        ("PP 16 (DualPipeV, 2 stages/rank) x FSDP, EP 64",
-         dict(**pipelined, pp_schedule="DualPipeV", pp_stages_per_rank=2)),
+        ("PP 16 (1F1B) x FSDP, EP 64", dict(**pipelined, pipeline=plan("1F1B"))),
+        ("PP 16 (Interleaved1F1B, 2 stages/rank) x FSDP, EP 64", dict(**pipelined, pipeline=plan("Interleaved1F1B"))),
+        ("PP 16 (DualPipeV, 2 stages/rank) x FSDP, EP 64", dict(**pipelined, pipeline=plan("DualPipeV"))),
     ]
     rows = []
     for name, kw in layouts:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                "split": args.split, "schedules": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.schedules:
-            micro = max(args.microbatches, default_microbatches(name, args.pp, default_stages_per_rank(name)))
+            micro = max(args.microbatches, PipelinePlan(pp=args.pp, pp_schedule=name).pp_microbatches)
             try:
                 results["schedules"][name] = run(Path(tmp) / name, name, micro, args)
             except Exception as e:  # one schedule's failure must not hide the others' figures

@@ -20,11 +20,7 @@ import sys
 
 from models.deepseek_v3 import flavor_names
 from trainer.config import ConfigError
-from trainer.config.pipeline_layout import (
-    PP_SCHEDULES,
-    default_microbatches,
-    default_stages_per_rank,
-)
+from trainer.config.pipeline_layout import PP_SCHEDULES, PipelinePlan
 from trainer.memory import ACT_BYTES, estimate
 
 
@@ -39,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp_schedule", choices=PP_SCHEDULES, default="1F1B")
     p.add_argument("--pp_stages_per_rank", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--pp_microbatches", type=int, default=-1, help="-1: the schedule's default")
+    p.add_argument("--pp_layout", default="", help="explicit stage split, as parallelism.pp_layout (empty: by cost)")
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--local_batch_size", type=int, default=1,
                    help="sequences per data rank per accumulation micro-batch (with --pp: split into --pp_microbatches)")
@@ -52,13 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda adds the bf16 weight copies, allocator rounding and cuBLAS workspace")
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
-    stages = args.pp_stages_per_rank if args.pp_stages_per_rank > 0 else default_stages_per_rank(args.pp_schedule)
-    micro = args.pp_microbatches if args.pp_microbatches > 0 else default_microbatches(args.pp_schedule, args.pp, stages)
     try:
         r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
                      args.ac, args.mixed_precision, device_type=args.device, optimizer=args.optimizer,
-                     state_dtype=args.state_dtype, pp=args.pp, pp_schedule=args.pp_schedule,
-                     pp_stages_per_rank=stages, pp_microbatches=micro)
+                     state_dtype=args.state_dtype, pipeline=PipelinePlan.from_config(args))
     except (ValueError, ConfigError) as e:
         p.error(str(e))
     if args.json:

@@ -228,3 +228,26 @@ def holds_whole_matrices(p: torch.Tensor) -> bool:
     if p.ndim == 2:
         return all(isinstance(pl, Replicate) for pl in p.placements)
     return all(isinstance(pl, Replicate) or (is_shard(pl) and pl.dim == 0) for pl in p.placements)
+
+
+def mesh_ranks(mesh) -> list[int]:
+    """The global ranks of a DeviceMesh, ascending (a process group's rank order)."""
+    return sorted(mesh.mesh.flatten().tolist())
+
+
+def is_first_replica(p: DTensor) -> bool:
+    """Whether this rank's part of ``p`` is its first copy: coordinate 0 on every mesh dim that
+    replicates it. The first copies of all ranks make the whole tensor, each element once."""
+    coordinate = p.device_mesh.get_coordinate()
+    return all(c == 0 for c, pl in zip(coordinate, p.placements) if not is_shard(pl))
+
+
+def local_flat_indices(p: DTensor) -> torch.Tensor:
+    """Where each element of this rank's part of the 2-D ``p`` sits in the whole tensor (flat,
+    row-major indices, int64, in the local part's order), read from DTensor's own slicing
+    (`local_part`) of row and column index grids: any placements, strided or uneven shards. The
+    grids are broadcast views, so only the local part is materialised."""
+    rows, cols = p.shape
+    r = torch.arange(rows, device=p.device).view(-1, 1).expand(rows, cols)
+    c = torch.arange(cols, device=p.device).view(1, -1).expand(rows, cols)
+    return (local_part(r, p) * cols + local_part(c, p)).reshape(-1)

@@ -56,7 +56,7 @@ from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, JobConfig
 from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout
-from trainer.config.pipeline_layout import PipelineCosts, rank_stages, split_stages, stage_ranks
+from trainer.config.pipeline_layout import PipelineCosts
 from trainer.memory import GiB, check_fits
 from trainer.model_args import build_model_args, resolve_flavor
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher
@@ -371,9 +371,9 @@ def default_ranks(cfg: JobConfig) -> list[int]:
         return [0]
     args = resolve_flavor(cfg)
     costs = PipelineCosts(**stage_unit_costs(args, cfg.training.seq_len))
-    specs = split_stages(args.n_layers, args.mtp_depth, layout.pp_stages, layout.pp_layout, costs,
-                         stage_ranks(layout.pp_schedule, layout.pp, layout.pp_stages))
-    last = next(r for r in range(layout.pp) if any(s.last for s in rank_stages(specs, layout.pp_schedule, layout.pp, r)))
+    plan = layout.pipeline
+    specs = plan.split(args.n_layers, args.mtp_depth, costs)
+    last = next(r for r in range(plan.pp) if any(s.last for s in plan.rank_stages(specs, r)))
     return sorted({0, last * (cfg.dry_run.world_size // layout.pp)})
 
 

@@ -24,12 +24,7 @@ from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, load_config
 from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout
-from trainer.config.pipeline_layout import (
-    PipelineCosts,
-    schedule_problems,
-    split_stages,
-    stage_ranks,
-)
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.memory import estimate
 from trainer.step_time import Hardware, Plan, step_time
 
@@ -89,7 +84,7 @@ def candidates(flavor: str, gpus: int, gpus_per_node: int, seq_len: int, global_
                 if shape.moe.num_experts % ep:
                     continue
                 try:
-                    layout = Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pp=pp)
+                    layout = Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=PipelinePlan(pp=pp))
                     layout.check_shapes(seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
                 except ConfigError:
                     continue
@@ -108,11 +103,13 @@ def _batch_shapes(pp, dp_replicate, dp_shard, cp, tp, ep, gpus, local, seq_len, 
             stages = pp * per_rank
             for fill in (1, 2, 4):
                 micro = stages * fill
-                if local % micro or schedule_problems(schedule, pp, per_rank, micro):
+                pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank, pp_microbatches=micro)
+                if local % micro or pipeline.problems():
                     continue
                 try:
-                    Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pp=pp, pp_schedule=schedule,
-                           pp_stages_per_rank=per_rank, pp_microbatches=micro).check_stages(shape.n_layers, shape.mtp_depth)
+                    Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=pipeline).check_stages(
+                        shape.n_layers, shape.mtp_depth
+                    )
                 except ConfigError:
                     continue
                 yield Plan(gpus, pp, dp_replicate, dp_shard, cp, tp, ep, schedule, per_rank, micro, local, 1, seq_len, ac)
@@ -122,7 +119,7 @@ def _split_string(args, plan: Plan, costs: PipelineCosts) -> str:
     """The trainer's cost-balanced split as a ``pp_layout`` string, so that the estimator need not
     search it again for every layout of the same pipeline shape."""
     n_stages = plan.pp * plan.stages_per_rank
-    specs = split_stages(args.n_layers, args.mtp_depth, n_stages, "", costs, stage_ranks(plan.schedule, plan.pp, n_stages))
+    specs = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank).split(args.n_layers, args.mtp_depth, costs)
     parts = [f"t*{len(s.layers)}" for s in specs]
     return "|".join(["E" + parts[0], *parts[1:-1], parts[-1] + "L"] if n_stages > 1 else ["E" + parts[0] + "L"])
 
@@ -138,15 +135,14 @@ def plan_layouts(
     ranked, considered = [], 0
     for plan in candidates(flavor, gpus, gpus_per_node, seq_len, global_batch):
         considered += 1
-        pipeline = {}
+        pipeline = None
         if plan.pp > 1:
             key = (plan.pp, plan.schedule, plan.stages_per_rank)
             if key not in splits:
                 splits[key] = _split_string(args, plan, costs)
-            pipeline = dict(pp=plan.pp, pp_schedule=plan.schedule, pp_stages_per_rank=plan.stages_per_rank,
-                            pp_microbatches=plan.microbatches, pp_layout=splits[key])
+            pipeline = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank, plan.microbatches, splits[key])
         memory = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                          stage_costs=costs, **pipeline)["gib"]["total"]
+                          stage_costs=costs, pipeline=pipeline)["gib"]["total"]
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
         ranked.append(Ranked(plan, memory, step_time(args, plan, hardware)))

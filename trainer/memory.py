@@ -53,13 +53,7 @@ import torch
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError
-from trainer.config.pipeline_layout import (
-    ZERO_BUBBLE_SCHEDULES,
-    PipelineCosts,
-    rank_stages,
-    split_stages,
-    stage_ranks,
-)
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
@@ -160,17 +154,16 @@ def _block_tensor_numels(a: DeepSeekV3ModelArgs, moe: bool) -> list[int]:
 def estimate(
     flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
-    block_causal_sdpa: bool = False, pp: int = 1, pp_schedule: str = "1F1B", pp_stages_per_rank: int = 1,
-    pp_microbatches: int = 1, pp_layout: str = "", optimizer: str = "AdamW", state_dtype: str = "float32",
-    stage_costs: PipelineCosts | None = None,
+    block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
+    state_dtype: str = "float32", stage_costs: PipelineCosts | None = None,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
     ``block_causal_sdpa``: the sdpa backend's dense [B, 1, S, S] block-causal mask; ``optimizer``
     and ``state_dtype``: ``[optimizer] name`` and ``state_dtype``.
 
-    With ``pp`` > 1 the stages are split as the trainer splits them (by training FLOPs, unless
-    ``pp_layout``); every pipeline rank holds its stages' blocks (the first the embedding, the
+    With a ``pipeline`` of ``pp`` > 1 the stages are split as the trainer splits them (by training
+    FLOPs, unless ``pp_layout``); every pipeline rank holds its stages' blocks (the first the embedding, the
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
     of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
     zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
@@ -178,6 +171,8 @@ def estimate(
     model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
     estimates many layouts of one model; computing them builds the model on the meta device)."""
     a = model_args or get_flavor(flavor)
+    plan = pipeline or PipelinePlan()
+    pp = plan.pp
     if seq_len % (2 * cp) and cp > 1:
         raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
     fsdp = dp_shard * cp
@@ -192,26 +187,24 @@ def estimate(
     if pp == 1:
         result = _estimate_share(a, list(range(a.n_layers)), True, True, True, local_batch_size, 1, **share)
         return {"flavor": flavor, "layout": layout, **result}
-    if local_batch_size % pp_microbatches:
-        raise ValueError(f"pp_microbatches={pp_microbatches} must divide local_batch_size={local_batch_size}")
-    n_stages = pp * pp_stages_per_rank
-    costs = stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len))
-    specs = split_stages(a.n_layers, a.mtp_depth, n_stages, pp_layout, costs, stage_ranks(pp_schedule, pp, n_stages))
+    micro = plan.pp_microbatches
+    if local_batch_size % micro:
+        raise ValueError(f"pp_microbatches={micro} must divide local_batch_size={local_batch_size}")
+    specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
     ranks = []
     for rank in range(pp):
-        mine = rank_stages(specs, pp_schedule, pp, rank)
+        mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
         # 1F1B's warm-up: rank r runs pp - r forwards before its first backward (the last rank
         # holds one micro-batch; measured by the dry run, docs/performance.md); the other
         # schedules up to pp.
-        depth = pp - rank if pp_schedule == "1F1B" else pp
+        depth = pp - rank if plan.pp_schedule == "1F1B" else pp
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // pp_microbatches, min(depth, pp_microbatches), pipelined=True,
-            zero_bubble=pp_schedule in ZERO_BUBBLE_SCHEDULES, **share,
+            local_batch_size // micro, min(depth, micro), pipelined=True, zero_bubble=plan.zero_bubble, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
-    layout.update(pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, pp_microbatches=pp_microbatches)
+    layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
     return {
         "flavor": flavor, "layout": layout, **worst,
         "gib_per_pp_rank": [r["gib"]["total"] for r in ranks],
@@ -351,9 +344,7 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
         cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.context_degree, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
-        pp=dims.pp, pp_schedule=dims.pp_schedule, pp_stages_per_rank=dims.pp_stages_per_rank,
-        pp_microbatches=dims.pp_microbatches, pp_layout=dims.pp_layout,
-        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
+        pipeline=dims.pipeline, optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
     )
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:

@@ -13,15 +13,18 @@ it is given; here parameters are FSDP2 dim-0 shards (DTensors), TP shards, and `
 stacks, so only its Newton-Schulz kernel and constants are reused and the step is this module's:
 
 * a routed-expert stack is sharded on its expert dim only (EP, and FSDP over efsdp shards dim 0
-  again): every rank holds whole expert matrices and orthogonalises its own experts, no
-  communication; the work is spread over the expert owners.
-* any other sharded matrix is gathered one at a time (`DTensor.full_tensor`), orthogonalised,
-  and each rank keeps its shard of the result: at most one full matrix per rank at once, and
-  the same full matrix, hence the same update, as one process.
+  again): every rank holds whole expert matrices and orthogonalises its own experts in one
+  batched call, no communication; the work is spread over the expert owners.
+* any other matrix held by several ranks (sharded or replicated) is orthogonalised once, by its
+  owner among them (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
+  gets back its part of the result. The owner's matrix is the gathered one, so the update is one
+  process's.
 
 AdamW's update is written out (`_adamw_`) because `torch.optim.AdamW` keeps its moments in the
 parameter dtype; here they are stored in `state_dtype` and computed in fp32 (DeepSeek-V3 kept
-them in bf16 with fp32 master weights). In fp32 it is `torch.optim.AdamW`'s arithmetic.
+them in bf16 with fp32 master weights). In fp32 it is `torch.optim.AdamW`'s arithmetic. The
+element-wise parts of both are `torch._foreach_*` calls over a param group, and the step count
+is one Python int per group: a step reads nothing back from the device.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # torch >= 2.9 (this trainer needs 2.11): the Newton-Schulz kernel behind torch.optim.Muon.
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 from models.moe.experts import GroupedExperts
 from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
+from trainer.muon_owners import OwnedExchange, consecutive_runs, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,104 +70,184 @@ def rms_matched_scale(shape: torch.Size) -> float:
 def newton_schulz(matrix: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The quintic Newton-Schulz iteration `X <- aX + (b XX^T + c (XX^T)^2) X` from `X = G / |G|_F`
     (on the wide orientation), computed in `dtype`. bf16 is torch.optim.Muon's own kernel; fp32
-    exists because CPUs without bf16 matrix units (AVX2) multiply bf16 about 5x slower than fp32."""
+    exists because CPUs without bf16 matrix units multiply bf16 slower than fp32
+    (`trainer.optim.ns_dtype_for`)."""
     if dtype == torch.bfloat16:
         return _zeropower_via_newtonschulz(matrix, NS_COEFFICIENTS, ns_steps, EPS)
+    return _iterate(matrix, ns_steps, dtype)
+
+
+def batched_newton_schulz(stack: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`newton_schulz` of each matrix of the stack `[E, A, B]` in one batched computation (`bmm`,
+    `baddbmm` over the expert dim): torch's kernel's operations in the same order, each matrix
+    scaled by its own Frobenius norm. docs/optimizers.md says how it compares with one matrix at a
+    time."""
+    return _iterate(stack, ns_steps, dtype)
+
+
+def _iterate(x: torch.Tensor, ns_steps: int, dtype: torch.dtype) -> torch.Tensor:
     a, b, c = NS_COEFFICIENTS
-    tall = matrix.shape[0] > matrix.shape[1]
-    x = matrix.T if tall else matrix
-    x = x.to(dtype) / x.norm().clamp(min=EPS).to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    x = x.to(dtype)
+    if tall:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if x.ndim == 3 else x.norm()
+    x = x / norm.clamp(min=EPS)
+    mm = torch.baddbmm if x.ndim == 3 else torch.addmm
     for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def orthogonalize(update: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Newton-Schulz of each matrix of `update` (`[A, B]` or a stack `[E, A, B]`), in `dtype`."""
-    if update.ndim == 2:
-        return newton_schulz(update, ns_steps, dtype)
-    out = torch.empty_like(update, dtype=dtype)
-    for i in range(update.shape[0]):  # one matrix at a time: the same kernel as an unsharded run
-        out[i] = newton_schulz(update[i], ns_steps, dtype)
-    return out
+    """Newton-Schulz of each matrix of `update` (`[A, B]`, or a stack `[E, A, B]` in one batched
+    call), in `dtype`."""
+    fn = newton_schulz if update.ndim == 2 else batched_newton_schulz
+    return fn(update, ns_steps, dtype)
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the param groups tagged `"muon": True`, AdamW on the others (see the module docstring).
 
-    State per parameter: Muon `momentum_buffer`; AdamW `step`, `exp_avg`, `exp_avg_sq` (the names
-    of `torch.optim.Muon` / `AdamW`). Buffers are created like the parameter (DTensors with its
-    placements), so DCP reshards them into any layout; their dtype is `state_dtype`.
+    State: per parameter, Muon's `momentum_buffer` and AdamW's `exp_avg`, `exp_avg_sq` (the names of
+    `torch.optim.Muon` / `AdamW`); per param group, its AdamW `step` count (a Python int: the bias
+    corrections need no read of the device). Buffers are created like the parameter (DTensors with
+    its placements), so DCP reshards them into any layout; their dtype is `state_dtype`.
+    `bucket_bytes` caps the whole matrices one collective moves to their NS owners
+    (`trainer.muon_owners`); `chunk_numel` the elements of one run of foreach calls (`_chunks`).
     """
 
     def __init__(
         self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, state_dtype: torch.dtype = torch.float32,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 256 * 2**20, chunk_numel: int = 2**20,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, muon=False)
+                        nesterov=nesterov, ns_steps=ns_steps, muon=False, step=0)
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype
+        self.bucket_bytes = bucket_bytes
+        self.chunk_numel = chunk_numel
+        self._exchanges: dict[int, OwnedExchange] = {}
         self.register_load_state_dict_post_hook(_restore_state_dtype)
 
     BUFFERS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
-    def _buffer(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        state = self.state[p]
-        if name not in state:
-            state[name] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-        return local_tensor(state[name])
+    def _buffers(self, params: list[torch.Tensor], name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The local tensors of `params`' state `name` (made at first use), and fp32 tensors to
+        compute in: the same tensors in fp32, upcast copies in bf16 (`_store` rounds them back)."""
+        stored = []
+        for p in params:
+            state = self.state[p]
+            if name not in state:
+                state[name] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            stored.append(local_tensor(state[name]))
+        if self.state_dtype == torch.float32:
+            return stored, stored
+        return stored, [s.float() for s in stored]
+
+    @staticmethod
+    def _store(stored: list[torch.Tensor], computed: list[torch.Tensor]) -> None:
+        if stored is not computed:
+            torch._foreach_copy_(stored, computed)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    (self._muon_ if group["muon"] else self._adamw_)(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon_ if group["muon"] else self._adamw_)(params, group)
         return loss
 
-    def _muon_(self, p: torch.Tensor, group: dict) -> None:
+    def _muon_(self, params: list[torch.Tensor], group: dict) -> None:
         mu, lr = group["momentum"], group["lr"]
-        grad = local_tensor(p.grad)
-        stored = self._buffer(p, "momentum_buffer")
-        buf = stored.float() if stored.dtype != torch.float32 else stored
-        buf.lerp_(grad, 1 - mu)
-        if buf is not stored:
-            stored.copy_(buf)
-        update = grad.lerp(buf, mu) if group["nesterov"] else buf
-        steps, dtype = group["ns_steps"], self.ns_dtype
-        if holds_whole_matrices(p):
-            ortho = orthogonalize(update, steps, dtype)
-        else:
-            ortho = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
-        weight = local_tensor(p)
-        weight.mul_(1 - lr * group["weight_decay"])
-        weight.add_(ortho, alpha=-lr * rms_matched_scale(p.shape))
+        updates = []
+        for chunk in _chunks(params, self.chunk_numel):
+            grads = [local_tensor(p.grad) for p in chunk]
+            stored, bufs = self._buffers(chunk, "momentum_buffer")
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            self._store(stored, bufs)
+            updates += torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        orthos = self._orthogonalize(group, params, updates)
+        weights = [local_tensor(p) for p in params]
+        torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
+        for weight, ortho, p in zip(weights, orthos, params):  # torch.optim.Muon's add, one scale per shape
+            weight.add_(ortho, alpha=-lr * rms_matched_scale(p.shape))
 
-    def _adamw_(self, p: torch.Tensor, group: dict) -> None:
+    def _orthogonalize(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's part of its orthogonalised update. A plain tensor or a stack of whole
+        expert matrices: here. A 2-D DTensor held by several ranks (sharded or replicated): on its
+        owner (`trainer.muon_owners`), with every such matrix of the group, whether or not this
+        step gave it a gradient (zeros then, and the result unused): all ranks agree on what moves.
+        A stack sharded inside its matrices (not a layout this trainer makes): gathered here."""
+        steps, dtype = group["ns_steps"], self.ns_dtype
+        out: dict[int, torch.Tensor] = {}
+        for p, update in zip(params, updates):
+            if _shared_matrix(p):
+                continue
+            if holds_whole_matrices(p):
+                out[id(p)] = orthogonalize(update, steps, dtype)
+            else:
+                out[id(p)] = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
+        shared = [p for p in group["params"] if _shared_matrix(p)]
+        if shared:
+            given = {id(p): u for p, u in zip(params, updates)}
+            moved = [given[id(p)] if id(p) in given else torch.zeros_like(local_tensor(p)) for p in shared]
+            parts = self._exchange(group, shared).run(moved, lambda m: newton_schulz(m, steps, dtype), dtype)
+            out.update(zip(map(id, shared), parts))
+        return [out[id(p)] for p in params]
+
+    def _exchange(self, group: dict, shared: list[DTensor]) -> OwnedExchange:
+        """The owner plan of the group's shared matrices, built at its first step (a collective of
+        all ranks) and kept: owners and index maps depend only on shapes and placements. The NS
+        work a rank does anyway (its expert stacks) is balanced against."""
+        key = self.param_groups.index(group)
+        if key not in self._exchanges:
+            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"]
+                       if not _shared_matrix(p))
+            self._exchanges[key] = OwnedExchange(shared, base, group["ns_steps"], self.bucket_bytes)
+        return self._exchanges[key]
+
+    def _adamw_(self, params: list[torch.Tensor], group: dict) -> None:
+        group["step"] += 1
+        for chunk in _chunks(params, self.chunk_numel):
+            self._adamw_chunk(chunk, group)
+
+    def _adamw_chunk(self, params: list[torch.Tensor], group: dict) -> None:
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        state["step"] += 1
-        step = state["step"].item()
-        grad = local_tensor(p.grad)
-        stored = [self._buffer(p, "exp_avg"), self._buffer(p, "exp_avg_sq")]
-        exp_avg, exp_avg_sq = (s.float() if s.dtype != torch.float32 else s for s in stored)
-        weight = local_tensor(p)
-        weight.mul_(1 - lr * group["weight_decay"])
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        for s, computed in zip(stored, (exp_avg, exp_avg_sq)):
-            if s is not computed:
-                s.copy_(computed)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+        lr, step = group["lr"], group["step"]
+        grads = [local_tensor(p.grad) for p in params]
+        weights = [local_tensor(p) for p in params]
+        stored_avg, exp_avgs = self._buffers(params, "exp_avg")
+        stored_sq, exp_avg_sqs = self._buffers(params, "exp_avg_sq")
+        torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        self._store(stored_avg, exp_avgs)
+        self._store(stored_sq, exp_avg_sqs)
+        # torch.optim.AdamW's single-tensor arithmetic: (sqrt(v) / sqrt(1 - beta2^t) + eps), then
+        # p += -lr / (1 - beta1^t) * m / denom.
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2**step))
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-lr / (1 - beta1**step))
+
+
+def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
+    """`params` in consecutive runs of at most `numel` elements (or one tensor): the foreach
+    temporaries (fp32 copies of bf16 states, AdamW's denominators) of one run at a time. Whole-group
+    temporaries cost a CPU 1.4x on a 58M-parameter model (page faults, cache); a GPU still gets a
+    few kernels per run."""
+    return [[params[i] for i in run] for run in consecutive_runs([local_tensor(p).numel() for p in params], numel)]
+
+
+def _shared_matrix(p: torch.Tensor) -> bool:
+    """A 2-D DTensor on a mesh of several ranks: its NS runs once, on its owner."""
+    return isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.size() > 1
 
 
 def _restore_state_dtype(optimizer: MuonAdamW) -> None:

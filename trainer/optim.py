@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -13,6 +14,8 @@ from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, m
 from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
 from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
 from trainer.step_hooks import StepHook
+
+logger = logging.getLogger("trainer")
 
 
 def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> dict:
@@ -30,10 +33,29 @@ def _implementation_kwargs(implementation: str, params: list[torch.Tensor]) -> d
     return {}
 
 
-def _ns_dtype(setting: str, params: list[torch.Tensor]) -> torch.dtype:
-    if setting == "auto":  # bf16 where matrix units multiply it fast (GPUs), fp32 on CPUs
-        return torch.bfloat16 if any(p.device.type == "cuda" for p in params) else torch.float32
-    return STATE_DTYPES[setting]
+def cpu_has_bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware tiles (Intel AMX): there a bf16 matmul
+    is several times faster than fp32. Elsewhere, AVX-512 BF16 included, oneDNN's bf16 matmul is
+    slower than fp32 (benchmarks/RESULTS.md, "Newton-Schulz dtype on CPU"). A capability flag, not
+    a timing, so every rank and every restart of a run decides the same (a resume stays exact).
+    ``torch.cpu._is_amx_tile_supported`` is private; a torch without it counts as no AMX."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def ns_dtype_for(setting: str, params: list[torch.Tensor]) -> torch.dtype:
+    """`muon_ns_dtype`: `bfloat16` / `float32` as given; `auto` is bf16 on GPUs and on CPUs with
+    bf16 matrix units (`cpu_has_bf16_matrix_units`), fp32 on other CPUs. Logged once."""
+    if setting != "auto":
+        return STATE_DTYPES[setting]
+    if any(p.device.type == "cuda" for p in params):
+        why, dtype = "a GPU", torch.bfloat16
+    elif cpu_has_bf16_matrix_units():
+        why, dtype = "a CPU with AMX bf16 tiles", torch.bfloat16
+    else:
+        why, dtype = f"a CPU without AMX ({torch.backends.cpu.get_cpu_capability()}): fp32 multiplies faster", torch.float32
+    logger.info("muon: Newton-Schulz in %s (muon_ns_dtype = auto on %s)", str(dtype).removeprefix("torch."), why)
+    return dtype
 
 
 def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.optim.Optimizer, list[StepHook]]:
@@ -81,7 +103,7 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.o
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum,
             nesterov=opt_cfg.muon_nesterov, ns_steps=opt_cfg.muon_ns_steps,
             state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
-            ns_dtype=_ns_dtype(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
+            ns_dtype=ns_dtype_for(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -68,6 +67,7 @@ from trainer.runtime import (
     resolve_path,
     select_device,
     set_seed_and_determinism,
+    setup_logging,
     versions,
 )
 from trainer.step_hooks import StepHook
@@ -145,7 +145,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         resumable = cfg.checkpoint.enable
         self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
-        _setup_logging(self.run_dir / "train.log")
+        setup_logging(self.run_dir / "train.log")
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
         logger.info(
@@ -214,7 +214,10 @@ class Trainer:
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
         self.step_hooks: list[StepHook] = [ExpertBiasUpdater(self.model, self.parallel.global_sum), *optimizer_hooks]
         if o.qk_clip:
-            self.step_hooks.append(QKClip(self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh))
+            self.step_hooks.append(QKClip(
+                self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh,
+                self.parallel_dims.mesh_or_none("tp"), self.parallel_dims.mesh_or_none("pp"),
+            ))
         self._build_data()
 
     def _build_data(self) -> None:
@@ -511,20 +514,6 @@ class Trainer:
         self.checkpointer.close()
         self.metrics.close()
         destroy_distributed()
-
-
-def _setup_logging(log_file: Path) -> None:
-    root = logging.getLogger("trainer")
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    if root.handlers:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-            h.close()
-    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, encoding="utf-8")):
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> int:

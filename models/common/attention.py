@@ -90,6 +90,12 @@ def build_attention_mask(tokens: torch.Tensor, mask_type: str, eos_id: int, back
     return create_block_mask(doc_mask_mod, bsz, None, seqlen, seqlen, device=tokens.device)
 
 
+def _unchanged_max_logit(q: torch.Tensor, k: torch.Tensor, running: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
+    """`MLA._record_max_logit`'s branch for steps that do not record (a copy: a `torch.cond`
+    branch may not return its input)."""
+    return running.clone()
+
+
 class MLA(nn.Module):
     """Multi-head Latent Attention.
 
@@ -137,10 +143,13 @@ class MLA(nn.Module):
         # -> the same for the whole sequence` (trainer/parallel/context_parallel.py): only the
         # compressed latent crosses ranks, queries stay local. None = single device.
         self.latent_exchange = None
-        # QK-clip (trainer/qk_clip.py) turns recording on for the steps it clips at; `max_logit`
-        # is then the per-head `[H]` max of the pre-softmax logits over this module's forwards
-        # since the trainer last reset it to None.
-        self.record_max_logit = False
+        # QK-clip (trainer/qk_clip.py) installs both tensors; None = no recording. On a step whose
+        # `record_max_logit` (a 0-d bool tensor on the CPU) is True, `max_logit` (`[H]`, this
+        # module's heads, on the activations' device) is folded with the per-head max of the
+        # pre-softmax logits of every forward. Tensors, not a Python bool: compiled, the flag is
+        # read by the graph (`torch.cond`) instead of guarded, so clip and non-clip steps run one
+        # graph, traced once.
+        self.record_max_logit: torch.Tensor | None = None
         self.max_logit: torch.Tensor | None = None
 
         if q_lora_rank == 0:
@@ -183,7 +192,7 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (B, S, H, qk_head_dim)
         # (B, S, H, D) -> (B, H, S, D), the layout both kernels expect
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.record_max_logit:
+        if self.max_logit is not None:
             self._record_max_logit(q, k, attn_mask)
 
         if self.backend == "sdpa":
@@ -207,8 +216,28 @@ class MLA(nn.Module):
 
     @torch.no_grad()
     def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor, attn_mask: AttentionMask) -> None:
-        """Folds this forward's per-head max logit into `max_logit`. A separate pass: the fused SDPA
-        kernels never expose their logits. One sequence at a time bounds the `[H, S, S]` buffer."""
+        """Folds this forward's per-head max logit into `max_logit` when `record_max_logit` is set.
+
+        Eager, a plain `if` on the CPU flag. Compiled, a `torch.cond` on it: both branches are in
+        the one graph and the flag is only read when the graph runs, so toggling it between steps
+        neither recompiles nor breaks the graph (a Python bool would be guarded: a second graph).
+        """
+        operands = (q.detach(), k.detach(), self.max_logit)
+        if attn_mask is not None:
+            operands += (attn_mask,)
+        if torch.compiler.is_compiling():
+            folded = torch.cond(self.record_max_logit, self._fold_max_logit, _unchanged_max_logit, operands)
+        elif self.record_max_logit:
+            folded = self._fold_max_logit(*operands)
+        else:
+            return
+        self.max_logit.copy_(folded)
+
+    def _fold_max_logit(
+        self, q: torch.Tensor, k: torch.Tensor, running: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`max(running, this forward's per-head max logit)`. A separate pass: the fused SDPA kernels
+        never expose their logits. One sequence at a time bounds the `[H, S, S]` buffer."""
         if attn_mask is None:  # is_causal: SDPA's top-left aligned causal mask
             attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         per_sequence = []
@@ -216,8 +245,7 @@ class MLA(nn.Module):
             logits = torch.matmul(q[b].float(), k[b].float().transpose(-2, -1)) * self.softmax_scale
             mask = attn_mask[b] if attn_mask.ndim == 4 else attn_mask
             per_sequence.append(logits.masked_fill(~mask, float("-inf")).amax(dim=(1, 2)))
-        head_max = torch.stack(per_sequence).amax(dim=0)
-        self.max_logit = head_max if self.max_logit is None else torch.maximum(self.max_logit, head_max)
+        return torch.maximum(running, torch.stack(per_sequence).amax(dim=0))
 
     def init_weights(self, init_std: float) -> None:
         # torchtitan's scheme: input projections at 0.02, the output projection (which writes into

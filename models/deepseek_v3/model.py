@@ -200,19 +200,26 @@ class DeepSeekV3Model(nn.Module):
         return h, aux_loss
 
     def forward_head(
-        self, h: torch.Tensor, labels: torch.Tensor | None, freqs_cis: torch.Tensor, attn_mask
+        self, h: torch.Tensor, labels: torch.Tensor | None, freqs_cis: torch.Tensor, attn_mask,
+        mtp_embeds: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Final norm, head and (training with labels) the MTP depths: (logits, MTP logits, MTP aux loss)."""
+        """Final norm, head and (training with labels) the MTP depths: (logits, MTP logits, MTP aux loss).
+        `mtp_embeds`: the depths' embedded inputs (`mtp_embed`) where the caller computed them."""
         h = self.norm(h)
         logits = self.head(h)
         mtp_logits = []
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
         if self.mtp is not None and self.training and labels is not None:
             for depth, module in enumerate(self.mtp):
-                h, layer_aux = module(h, self.embed(mtp_input_ids(labels, depth)), freqs_cis, attn_mask)
+                emb = mtp_embeds[depth] if mtp_embeds is not None else self.mtp_embed(labels, depth)
+                h, layer_aux = module(h, emb, freqs_cis, attn_mask)
                 aux_loss = aux_loss + layer_aux
                 mtp_logits.append(self.head(h))
         return logits, mtp_logits, aux_loss
+
+    def mtp_embed(self, labels: torch.Tensor, depth: int) -> torch.Tensor:
+        """MTP depth `depth`'s embedded input `[B, S, dim]` (what `forward_head` runs it on)."""
+        return self.embed(mtp_input_ids(labels, depth))
 
     def _engram_rows(self, engram_ids: torch.Tensor | None, engram_layers: list):
         """Per Engram block of `engram_layers` `[B, S, H, D_h]` rows (item i may be fetched lazily), or None."""

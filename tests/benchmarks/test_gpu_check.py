@@ -31,7 +31,8 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     table = proc.stdout[proc.stdout.index("| measurement | figure | value |"):]
     for figure in ("tokens/s", "MFU %", "estimate / measured peak", "kernel launches per step",
                    "host syncs per step", "time / dense ideal", "skipped", "weight casts MiB per step",
-                   "tokens/s ratio (keep FSDP2 on one process only if > 1.03)"):
+                   "tokens/s ratio (keep FSDP2 on one process only if > 1.03)", "step time on / off", "optimizer step ms",
+                   "host reads per optimizer step", "optimizer step time ratio"):
         assert f"| {figure} |" in table, figure
     assert "n_layers=2" in table and "failed" not in table
     a = json.loads((tmp_path / "A.json").read_text())
@@ -44,3 +45,11 @@ def test_dry_run_runs_every_measurement_and_prints_one_table(tmp_path):
     f = json.loads((tmp_path / "F.json").read_text())["variants"]
     assert list(f) == ["eager", "eager_autocast"] and all(r["peak_mem_mib"] > 0 for r in f.values())
     assert "| F debugmodel bf16 1x32 eager_autocast | peak memory MiB |" in table
+    # H: the optimizer step of AdamW fp32 / bf16 states and Muon (issue 32).
+    h = json.loads((tmp_path / "H.json").read_text())
+    assert [(r["optimizer"], r["state_dtype"]) for r in h] == [("AdamW", "float32"), ("AdamW", "bfloat16"),
+                                                              ("muon", "float32")]
+    assert all(r["step_ms"] > 0 and r["host_reads"] == 0 for r in h) and h[2]["ns_calls_max"] > 0
+    # Batched vs per-matrix expert NS: a figure, not a verdict (fp32 on a CPU with several threads
+    # may differ in the last bits, docs/optimizers.md).
+    assert "| bitwise equal |" in table and "| max abs difference |" in table

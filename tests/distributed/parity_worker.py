@@ -16,6 +16,7 @@ reference reads the same global batches whole, so all layouts see the same token
 ``--reference`` also runs the single-process layout on rank 0 before the process group starts.
 ``--tp-cp-layouts`` runs tests/distributed/tp_cp_parity.py's layouts (a q_lora model trained by
 hand) in the same process group afterwards, under "tp_cp/<layout>": one launch instead of one each.
+With 4 ranks it also runs tests/distributed/qk_clip_tp.py's QK-clip check (TP 2 x FSDP 2).
 Adding a layout (TP, CP, ...): one entry in ``LAYOUTS`` with its ``[parallelism]`` overrides and
 its world size; the pytest side (test_parity.py) lists which layouts it launches.
 """
@@ -169,6 +170,10 @@ def _worker(
 
         for layout in tp_cp_layouts:
             results[f"tp_cp/{layout}"] = tp_cp_parity.train_layout(layout)
+    if nproc == 4:
+        from tests.distributed import qk_clip_tp
+
+        results["qk_clip_tp2_fsdp2"] = qk_clip_tp.check()
     from trainer.distributed import destroy_distributed
 
     destroy_distributed()

@@ -85,12 +85,9 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
     from trainer.parallel.pipeline_step import PipelineStep, activation_meta
 
     world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, ep=ep, ep_as_cp=False, world_size=world, pp=pp,
-        pp_schedule=schedule,
-    )
-    dims.build_meshes("cpu")
     parallelism = Parallelism(pp=pp, dp_shard=dp_shard, ep=ep, pp_schedule=schedule)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_meshes("cpu")
     training = Training(seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dims.dp_degree,
                         mixed_precision_param="float32")
     with torch.device("meta"):

@@ -6,7 +6,9 @@ running several layouts in one process group:
   and the same initial weights): expert parallelism under FSDP and HSDP, and activation
   checkpointing;
 - by hand on a finer model (tests/distributed/tp_cp_parity.py: q_lora, random documents,
-  clipping on): TP 2, EP-as-CP 2, FSDP 2 x CP 2 and FSDP 2 x EP 2 x TP 2.
+  clipping on): TP 2, EP-as-CP 2, FSDP 2 x CP 2 and FSDP 2 x EP 2 x TP 2;
+- QK-clip's gather and row scaling under TP 2 x FSDP 2 (tests/distributed/qk_clip_tp.py), in the
+  4-rank launch.
 FSDP 2 and HSDP 2x2 x EP 2 also run through run_train.sh (tests/e2e/test_layout_parity.py:
 losses, gradient norms and validation), as do CP and EP-as-CP under each pipeline stage (pp_2_cp_2,
 pp_2_ep_2_as_cp) and EP-as-CP across two nodes (tests/e2e/test_multinode.py). Compiled EP blocks:
@@ -93,6 +95,16 @@ def test_tp_cp_layout_matches_single_process(results, tp_cp_reference, layout):
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
         assert loss == pytest.approx(ref_loss, rel=REL), f"{layout} step {step}: loss {loss} vs {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=REL), f"{layout} step {step}: grad norm {norm} vs {ref_norm}"
+
+
+def test_qk_clip_under_tp_fsdp_matches_one_process(results):
+    """tests/distributed/qk_clip_tp.py, in the 4-rank launch: TP 2 x FSDP 2 clips as one process."""
+    got = results["qk_clip_tp2_fsdp2"]
+    assert got["shard_rows"] == [72]  # 3 heads of 48 rows per tp rank, 72 per FSDP shard: a shard ends inside a head
+    assert got["clipped_heads"] == 7
+    assert not got["metrics_differ_on_a_rank"]
+    assert not got["a_matrix_unchanged"]  # the clip changed every matrix
+    assert got["max_rel_error"] <= 1e-6, got
 
 
 def test_ep_layouts_start_from_the_single_process_weights(results):

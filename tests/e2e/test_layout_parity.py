@@ -69,6 +69,10 @@ LAYOUTS = {
         2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B", "--training.local_batch_size", "8"],
     ),
     "pp_2_zbv": (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--training.local_batch_size", "8"]),
+    # The MoE all-to-all overlap (issue 31): two accumulated micro-batches as one (B_0, F_1) pair.
+    "fsdp_2_ep_2_moe_overlap": (
+        2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--parallelism.moe_overlap", "--training.local_batch_size", "2"],
+    ),
     "pp_2_fsdp_2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
     "pp_2_fsdp_2_ep_2": (
         4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "4"],

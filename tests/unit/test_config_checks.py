@@ -116,6 +116,12 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
             ["compiled block is one autograd node", "Interleaved1F1B"],
         ),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_layout", "Et*3|Lt*3"], ["exactly one L, at the end"]),
+        # The MoE all-to-all overlap (issue 31): what it does not run, one line each.
+        (2, ["--parallelism.moe_overlap"], ["parallelism.moe_overlap overlaps the expert-parallel", "ep > 1"]),
+        (
+            2, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--activation_checkpoint.mode", "full"],
+            ["never recomputes a block", "--activation_checkpoint.mode none", "drop --parallelism.moe_overlap"],
+        ),
         # Read from the flavor table without torch: the debug model has 6 blocks and 4 heads, 671B 256 experts.
         (8, ["--parallelism.pp", "8"], ["8 stages", "only 6 blocks"]),
         (4, ["--parallelism.pp", "4", "--parallelism.pp_stages_per_rank", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],
@@ -159,6 +165,10 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     assert main(["--world-size", "64", *run, "--model.flavor", "671B", "--parallelism.pp", "8", "--parallelism.ep", "8"]) == 0
     assert main(["--world-size", "2", *run, "--restarts", "3", "--checkpoint.enable"]) == 0
     assert main(["--world-size", "2", *run, "--restarts", "0", "--checkpoint.load_step", "4"]) == 0
+    # MuonClip under tensor parallelism (with FSDP) and compile (issue 32).
+    clip = ["--optimizer.name", "muon", "--optimizer.qk_clip"]
+    assert main(["--world-size", "4", *run, *clip, "--parallelism.tp", "2", "--parallelism.dp_shard", "2"]) == 0
+    assert main(["--world-size", "2", *run, *clip, "--training.compile"]) == 0
     assert capsys.readouterr().err == ""
 
 

@@ -5,6 +5,7 @@ import torch
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.config import ConfigError, load_config
+from trainer.config.pipeline_layout import PipelinePlan
 from trainer.memory import GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
 from trainer.parallel.parallel_dims import ParallelDims
 
@@ -95,8 +96,8 @@ def test_pipeline_estimate_is_the_fullest_rank():
     """pp 8 x FSDP 64 holds what FSDP 512 holds per GPU, split by stages: the first rank has the
     embedding, the last the head, MTP and the embedding replica, and only it the logits."""
     flat = estimate("671B", 512, 64, 1, 1, 4096, 1, "full")
-    piped = estimate("671B", 64, 32, 1, 1, 4096, 8, "full", pp=8, pp_schedule="Interleaved1F1B",
-                     pp_stages_per_rank=2, pp_microbatches=8)
+    piped = estimate("671B", 64, 32, 1, 1, 4096, 8, "full",
+                     pipeline=PipelinePlan(pp=8, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, pp_microbatches=8))
     assert piped["layout"]["gpus"] == flat["layout"]["gpus"] == 512
     assert piped["params_total_B"] == flat["params_total_B"]
     per_rank = piped["gib_per_pp_rank"]
@@ -110,10 +111,15 @@ def test_the_estimate_splits_stages_as_the_trainer_does():
     """By cost (stats.stage_unit_costs): the debug model's head and MTP leave one block on the
     last of 2 stages, where the even split leaves two."""
     args = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 64, "local_batch_size": 2,
-            "ac": "none", "device_type": "cpu", "pp": 2, "pp_schedule": "1F1B", "pp_microbatches": 2}
-    by_cost = estimate(**args)["gib_per_pp_rank"]
-    assert by_cost == estimate(**args, pp_layout="Et*5|tL")["gib_per_pp_rank"]
-    assert by_cost != estimate(**args, pp_layout="Et*4|t*2L")["gib_per_pp_rank"]
+            "ac": "none", "device_type": "cpu"}
+
+    def per_rank(pp_layout: str = "") -> list[float]:
+        plan = PipelinePlan(pp=2, pp_schedule="1F1B", pp_microbatches=2, pp_layout=pp_layout)
+        return estimate(**args, pipeline=plan)["gib_per_pp_rank"]
+
+    by_cost = per_rank()
+    assert by_cost == per_rank("Et*5|tL")
+    assert by_cost != per_rank("Et*4|t*2L")
 
 
 def _held_params(args, specs, rank_specs, embed_replica):
@@ -142,10 +148,14 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
     from trainer.memory import ACT_BYTES, _block_params
 
     layout = {"flavor": "debugmodel", "dp_shard": 2, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 8,
-              "ac": "none", "device_type": "cpu", "mixed_precision": mixed_precision, "pp": 2,
-              "pp_stages_per_rank": 2, "pp_microbatches": 2}
-    zb = estimate(**layout, pp_schedule="InterleavedZeroBubble")
-    base = estimate(**layout, pp_schedule="Interleaved1F1B")
+              "ac": "none", "device_type": "cpu", "mixed_precision": mixed_precision}
+
+    def estimate_with(schedule: str, **changes) -> dict:
+        plan = PipelinePlan(pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=2)
+        return estimate(**{**layout, **changes}, pipeline=plan)
+
+    zb = estimate_with("InterleavedZeroBubble")
+    base = estimate_with("Interleaved1F1B")
     assert base["gib"]["stage_unsharded_params"] == 0 < base["gib"]["stage_grad_accumulators"]
 
     args = get_flavor("debugmodel")
@@ -164,7 +174,6 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
     assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
     # Without sharding nothing is gathered or accumulated apart, and a zero-bubble schedule costs
     # what Interleaved1F1B does.
-    unsharded = {**layout, "dp_shard": 1}
-    assert estimate(**unsharded, pp_schedule="Interleaved1F1B")["gib"]["stage_grad_accumulators"] == 0
-    assert (estimate(**unsharded, pp_schedule="InterleavedZeroBubble")["gib_per_pp_rank"]
-            == estimate(**unsharded, pp_schedule="Interleaved1F1B")["gib_per_pp_rank"])
+    assert estimate_with("Interleaved1F1B", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
+    assert (estimate_with("InterleavedZeroBubble", dp_shard=1)["gib_per_pp_rank"]
+            == estimate_with("Interleaved1F1B", dp_shard=1)["gib_per_pp_rank"])

@@ -88,3 +88,20 @@ def test_bf16_states_stay_bf16_and_resume_exactly(tmp_path, name):
                                 dataloader=_NoData(), model_args=ARGS, device=torch.device("cpu"))
     resaved.save(6, {"step": 6})
     assert _saved_state_dtypes(tmp_path / "b") == {torch.bfloat16}
+
+
+def test_checkpoint_with_a_step_count_per_parameter_resumes(tmp_path):
+    """Before one step count per param group, `MuonAdamW` kept a `step` tensor per AdamW parameter
+    (torch's layout): such a checkpoint resumes with its count in the group entries."""
+    model, opt, sched, manager = _setup("muon", tmp_path / "a")
+    _train(model, opt, sched, range(1, 4))
+    for group in opt.param_groups:
+        step = group.pop("step")
+        for p in group["params"]:
+            if not group["muon"]:
+                opt.state[p]["step"] = torch.tensor(float(step))
+    manager.save(3, {"step": 3})
+    _, opt2, _, manager2 = _setup("muon", tmp_path / "a")
+    assert manager2.load()["step"] == 3
+    assert [g["step"] for g in opt2.param_groups] == [3, 3, 0]
+    assert not any("step" in s for s in opt2.state.values())

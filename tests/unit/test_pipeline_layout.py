@@ -9,6 +9,7 @@ from trainer.config import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.pipeline_layout import (
     PipelineCosts,
+    PipelinePlan,
     default_microbatches,
     describe_split,
     parse_pp_layout,
@@ -45,11 +46,12 @@ def test_explicit_layout_and_its_mistakes():
 
 
 def test_layout_resolves_schedule_defaults():
-    layout = Layout(1, -1, 1, 1, 1, False, 2, pp=2, pp_schedule="DualPipeV")
-    assert (layout.dp_shard, layout.pp_stages_per_rank, layout.pp_microbatches, layout.pp_stages) == (1, 2, 4, 4)
+    layout = Layout(1, -1, 1, 1, 1, False, 2, pipeline=PipelinePlan(pp=2, pp_schedule="DualPipeV"))
+    plan = layout.pipeline
+    assert (layout.dp_shard, layout.pp, plan.pp_stages_per_rank, plan.pp_microbatches, plan.n_stages) == (1, 2, 2, 4, 4)
     assert default_microbatches("1F1B", 4, 1) == 4 and default_microbatches("Interleaved1F1B", 4, 2) == 4
     with pytest.raises(ConfigError, match=r"8 stages .* only 6 blocks"):
-        Layout(1, -1, 1, 1, 1, False, 4, pp=4, pp_schedule="Interleaved1F1B").check_stages(6, 1)
+        Layout(1, -1, 1, 1, 1, False, 4, pipeline=PipelinePlan(pp=4, pp_schedule="Interleaved1F1B")).check_stages(6, 1)
 
 
 # ---------------------------------------------------------------- the split by cost
@@ -214,3 +216,19 @@ def test_an_engram_block_costs_its_projections_not_its_table():
     assert extra[:2] + extra[3:] == [0.0] * 5
     # wk and wv (memory_dim -> dim), three norms, the depthwise conv: far less than the table.
     assert 6 * 2 * engram.memory_dim * args.dim <= extra[2] < 6 * 3 * engram.memory_dim * args.dim
+
+
+def test_the_plan_is_the_one_reader_of_the_pipeline_options():
+    """Every ``pp*`` option of ``[parallelism]`` is a field of `PipelinePlan`, which reads them by
+    name: a new option cannot be forgotten there, and nothing else copies them."""
+    import dataclasses
+
+    from trainer.config import Parallelism, load_config
+
+    options = {f.name for f in dataclasses.fields(Parallelism) if f.name == "pp" or f.name.startswith("pp_")}
+    assert options == {f.name for f in dataclasses.fields(PipelinePlan)}
+    cfg = load_config(["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV",
+                       "--parallelism.pp_layout", "Et*2|t*2|t|tL"])
+    plan = Layout.from_config(cfg.parallelism, 2).pipeline
+    assert plan == PipelinePlan(pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, pp_microbatches=4,
+                                pp_layout="Et*2|t*2|t|tL")

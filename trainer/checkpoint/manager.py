@@ -93,6 +93,24 @@ OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 INDEXED_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.")
 
 
+def _per_parameter_step(group_key: str) -> str:
+    return "state." + group_key.removeprefix("param_groups.")
+
+
+def _group_steps_not_saved(optim_sd: dict, shapes) -> dict[str, Any]:
+    """`MuonAdamW` counts AdamW steps per param group (``param_groups.<name>.step``); checkpoints from
+    before that hold a ``step`` tensor per parameter instead (``state.<name>.step``, AdamW
+    parameters only). Takes the group entries the checkpoint lacks out of ``optim_sd`` (returned:
+    the loader puts them back) and asks for the per-parameter counts where they were saved."""
+    kept = {}
+    for key in [k for k in optim_sd if k.startswith("param_groups.") and k.endswith(".step")]:
+        if f"optimizer.{key}" not in shapes:
+            kept[key] = optim_sd.pop(key)
+            if f"optimizer.{_per_parameter_step(key)}" in shapes:
+                optim_sd[_per_parameter_step(key)] = torch.zeros((), dtype=torch.float32)
+    return kept
+
+
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
@@ -401,10 +419,14 @@ class CheckpointManager:
             candidates = sorted(saved_ranks, key=lambda r: r != self.rank)
         for r in candidates:
             state[f"rank_state_{r}"] = copy.deepcopy(own)
+        kept = _group_steps_not_saved(state.get("optimizer", {}), shapes)
         try:
             dcp_load(state, info.path)
         except LOAD_ERRORS as e:
             raise UnreadableCheckpoint(short_error(e)) from None
+        for key, value in kept.items():  # from the per-parameter count where there is one
+            old = state["optimizer"].pop(_per_parameter_step(key), None)
+            state["optimizer"][key] = value if old is None else int(old.item())
         if reset_optimizer:
             set_model_state_dict(self.model, state["model"], options=options)
         else:

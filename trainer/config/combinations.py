@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from trainer.config.fields import cli_repr, default_of
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+from trainer.config.pipeline_layout import PipelinePlan
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -49,31 +49,42 @@ def combination_problems(cfg: Any) -> list[str]:
             f"validation.dataset = {v.dataset!r} reads local files: set --validation.dataset_path "
             "(a file, a glob or a directory)."
         )
-    if cfg.optimizer.qk_clip and cfg.parallelism.tp > 1:
-        problems.append(
-            "optimizer.qk_clip does not support tensor parallelism (a rank holds only some heads' weights); "
-            "use --parallelism.tp 1 or drop --optimizer.qk_clip."
-        )
-    if cfg.optimizer.qk_clip and cfg.training.compile:
-        problems.append(
-            "optimizer.qk_clip is not supported with training.compile yet (its logit recording sets module "
-            "attributes inside the compiled blocks); drop --training.compile or --optimizer.qk_clip."
-        )
     if cfg.optimizer.qk_clip and cfg.model.attn_backend != "sdpa":
         problems.append(
             "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
             "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
         )
-    p = cfg.parallelism
-    if p.pp > 1 and t.compile and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+    plan = PipelinePlan.from_config(cfg.parallelism)
+    if plan.enabled and t.compile and plan.zero_bubble:
         # docs/compile.md, "Zero-bubble schedules": measured wrong or failing, and no faster.
         problems.append(
-            f"parallelism.pp_schedule = {p.pp_schedule!r} splits each backward into input and weight passes, and a "
+            f"parallelism.pp_schedule = {plan.pp_schedule!r} splits each backward into input and weight passes, and a "
             "compiled block is one autograd node whose whole backward the weight pass would run again (inductor "
             "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
             "drop --training.compile."
         )
+    problems += _moe_overlap_problems(cfg)
     return problems
+
+
+def _moe_overlap_problems(cfg: Any) -> list[str]:
+    """What ``parallelism.moe_overlap`` (trainer/parallel/moe_overlap.py) does not run: it calls
+    each MoE block's modules node by node, outside a checkpointed or compiled block."""
+    p = cfg.parallelism
+    if not p.moe_overlap:
+        return []
+    refusals = [
+        (p.ep <= 1, "overlaps the expert-parallel all-to-all: set --parallelism.ep > 1"),
+        (p.pp > 1, "pairs the micro-batches of a step without pipeline parallelism: use --parallelism.pp 1"),
+        (
+            cfg.activation_checkpoint.mode != "none",
+            "keeps two micro-batches' activations and never recomputes a block: use --activation_checkpoint.mode none",
+        ),
+        (cfg.training.compile, "runs each MoE block eagerly node by node: drop --training.compile"),
+        (cfg.engram.enable, "does not run Engram blocks: drop --engram.enable"),
+        (p.tp > 1 or p.cp > 1 or p.ep_as_cp, "is tested with FSDP and EP only: use --parallelism.tp 1 --parallelism.cp 1"),
+    ]
+    return [f"parallelism.moe_overlap {message}, or drop --parallelism.moe_overlap." for bad, message in refusals if bad]
 
 
 # (switch, is the feature off?, the section's options it makes meaningless; None = all others).
@@ -104,7 +115,7 @@ _GATES = (
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
     (
         "parallelism.pp", lambda c: c.parallelism.pp == 1,
-        ("pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_layout"),
+        tuple(f.name for f in dataclasses.fields(PipelinePlan) if f.name != "pp"),
     ),
 )
 

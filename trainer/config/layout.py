@@ -10,17 +10,11 @@ The rank layout and the meshes built on it are described in trainer/parallel/par
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainer.config.fields import ConfigError
-from trainer.config.pipeline_layout import (
-    default_microbatches,
-    default_stages_per_rank,
-    pp_layout_problems,
-    schedule_problems,
-    split_stages,
-)
+from trainer.config.pipeline_layout import PipelinePlan
 
 
 class LayoutError(ConfigError):
@@ -69,11 +63,7 @@ class Layout:
     engram: int = 1
     # The mesh the Engram table rows are split over (ParallelDims), with "<name>_replicate".
     engram_mesh_name: ClassVar[str] = "engram"
-    pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_stages_per_rank: int = -1
-    pp_microbatches: int = -1
-    pp_layout: str = ""
+    pipeline: PipelinePlan = field(default_factory=PipelinePlan)
 
     def __post_init__(self) -> None:
         self._validate_degrees()
@@ -135,15 +125,8 @@ class Layout:
             )
 
     def _validate_pipeline(self) -> None:
-        """The schedule's stage and micro-batch needs (-1 resolved to the schedule's default)."""
-        if self.pp_stages_per_rank == -1:
-            self.pp_stages_per_rank = default_stages_per_rank(self.pp_schedule)
-        if self.pp_microbatches == -1:
-            self.pp_microbatches = default_microbatches(self.pp_schedule, self.pp, self.pp_stages_per_rank)
-        if self.pp == 1:
-            return
-        problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
-        problems += pp_layout_problems(self.pp_layout, self.pp_stages)
+        """The schedule's stage and micro-batch needs."""
+        problems = self.pipeline.problems()
         if problems:
             raise LayoutError("; ".join(problems))
 
@@ -152,9 +135,10 @@ class Layout:
         """The gradient-accumulation steps of one optimizer step (global_batch_size -1 = one
         micro-batch per data-parallel rank). Under pp each accumulation micro-batch is one
         schedule run that cuts its rows into ``pp_microbatches``, which must divide them."""
-        if self.pp_enabled and local_batch_size % self.pp_microbatches:
+        micro = self.pipeline.pp_microbatches
+        if self.pp_enabled and local_batch_size % micro:
             raise LayoutError(
-                f"parallelism.pp_microbatches = {self.pp_microbatches} must divide training.local_batch_size = "
+                f"parallelism.pp_microbatches = {micro} must divide training.local_batch_size = "
                 f"{local_batch_size} (each local batch is one pipeline run); pick pp_microbatches in "
                 f"{[d for d in _divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
             )
@@ -211,17 +195,17 @@ class Layout:
         """The pipeline's stages fit the model's blocks (the pre-launch check and the trainer
         check this, before any work)."""
         if self.pp_enabled:
-            split_stages(n_layers, mtp_depth, self.pp_stages, self.pp_layout)
+            self.pipeline.split(n_layers, mtp_depth)
 
     # ----------------------------------------------------------------- degrees
     @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
+    def pp(self) -> int:
+        """Pipeline degree, the outermost dim of the world (the plan's ``pp``)."""
+        return self.pipeline.pp
 
     @property
-    def pp_stages(self) -> int:
-        """Pipeline stages in all: pp x pp_stages_per_rank."""
-        return self.pp * self.pp_stages_per_rank
+    def pp_enabled(self) -> bool:
+        return self.pipeline.enabled
 
     @property
     def efsdp(self) -> int:
@@ -303,10 +287,7 @@ class Layout:
         parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")]
         if self.ep_as_cp:
             parts.append("ep_as_cp")
-        pipeline = (
-            f" | pipeline {self.pp_schedule}, {self.pp_stages} stages, {self.pp_microbatches} micro-batches"
-            if self.pp_enabled else ""
-        )
+        pipeline = f" | {self.pipeline.describe()}" if self.pp_enabled else ""
         return f"world size {self.world_size} = " + " x ".join(parts[:5]) + " | " + ", ".join(parts[5:]) + (
             f" | data-parallel {self.dp_degree}, fsdp {self.fsdp_degree}, efsdp {self.efsdp}"
         ) + (f", engram {self.engram}" if self.engram_enabled else "") + pipeline
@@ -325,11 +306,7 @@ class Layout:
             ep_as_cp=p.ep_as_cp,
             world_size=world_size,
             engram=engram.embedding_parallel_degree if use_engram else 1,
-            pp=p.pp,
-            pp_schedule=p.pp_schedule,
-            pp_stages_per_rank=p.pp_stages_per_rank,
-            pp_microbatches=p.pp_microbatches,
-            pp_layout=p.pp_layout,
+            pipeline=PipelinePlan.from_config(p),
         )
 
     @classmethod

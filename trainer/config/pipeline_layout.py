@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from trainer.config.fields import ConfigError
@@ -81,6 +81,75 @@ def schedule_problems(schedule: str, pp: int, stages_per_rank: int, microbatches
             f"(it runs the micro-batches in rounds of pp); use {microbatches + pp - microbatches % pp}"
         )
     return problems
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline options of ``[parallelism]``, read in this one place: every other module (the
+    layout checks, the trainer's split and schedule, the memory estimator, the scripts) takes a
+    plan, so a new ``pp*`` option touches the schema and this class. The fields carry the
+    schema's names; -1 (the schema's "the schedule's default") is resolved on construction."""
+
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = -1
+    pp_microbatches: int = -1
+    pp_layout: str = ""
+
+    def __post_init__(self) -> None:
+        if self.pp_stages_per_rank == -1:
+            object.__setattr__(self, "pp_stages_per_rank", default_stages_per_rank(self.pp_schedule))
+        if self.pp_microbatches == -1:
+            object.__setattr__(
+                self, "pp_microbatches", default_microbatches(self.pp_schedule, self.pp, self.pp_stages_per_rank)
+            )
+
+    @classmethod
+    def from_config(cls, parallelism) -> PipelinePlan:
+        """From a ``[parallelism]`` section (or anything with its ``pp*`` attributes)."""
+        return cls(**{f.name: getattr(parallelism, f.name) for f in fields(cls)})
+
+    @property
+    def enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all: pp x pp_stages_per_rank."""
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The schedule splits each backward into input and weight passes."""
+        return self.pp_schedule in ZERO_BUBBLE_SCHEDULES
+
+    @property
+    def v_shaped(self) -> bool:
+        """Rank r holds stages r and 2 pp - 1 - r (the first and the last stage share a rank)."""
+        return self.pp_schedule in V_SCHEDULES
+
+    def problems(self) -> list[str]:
+        """What torch's schedule or the explicit ``pp_layout`` would refuse, one message each
+        (nothing without pipelining)."""
+        if not self.enabled:
+            return []
+        problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
+        return problems + pp_layout_problems(self.pp_layout, self.n_stages)
+
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pp rank of every stage (`stage_ranks`)."""
+        return stage_ranks(self.pp_schedule, self.pp, self.n_stages)
+
+    def split(self, n_layers: int, mtp_depth: int, costs: PipelineCosts | None = None) -> list[StageSpec]:
+        """The stages' blocks (`split_stages`: ``pp_layout``, else by ``costs``, else even)."""
+        return split_stages(n_layers, mtp_depth, self.n_stages, self.pp_layout, costs, self.stage_ranks())
+
+    def rank_stages(self, specs: list[StageSpec], rank: int) -> list[StageSpec]:
+        """The stages pp rank ``rank`` runs, in stage order."""
+        return rank_stages(specs, self.pp_schedule, self.pp, rank)
+
+    def describe(self) -> str:
+        return f"pipeline {self.pp_schedule}, {self.n_stages} stages, {self.pp_microbatches} micro-batches"
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ class Optimizer(Section):
     muon_nesterov: bool = option(True, "Muon: orthogonalise the Nesterov momentum (else the plain momentum)")
     muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
-        "auto", "Muon: Newton-Schulz dtype; auto = bfloat16 on GPUs, float32 on CPUs (bf16 matmuls are slow there)"
+        "auto", "Muon: Newton-Schulz dtype; auto = bfloat16 on GPUs and AMX CPUs (bf16 matrix units), float32 on other CPUs"
     )
     qk_clip: bool = option(
         False, "MuonClip's QK-clip: rescale a head's MLA query/key weights once its max logit passes the threshold"
@@ -351,6 +351,10 @@ class Parallelism(Section):
     )
     pp_layout: str = option(
         "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
+    )
+    moe_overlap: bool = option(
+        False,
+        "Hide the EP all-to-all: run micro-batch i's backward beside i+1's forward, MoE node by node (needs ep > 1, pp 1)",
     )
     fsdp_reshard_after_forward: ReshardPolicy = option(
         "default",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -91,27 +90,45 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch(
         self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _A2AContext]:
+        ctx = self.route(selected_experts, top_scores, group_align(x))
+        recv_x = _Exchange.apply(permute(x, ctx.send), self, ctx.output_splits, ctx.input_splits)
+        routed_x = permute(recv_x, ctx.recv)
+        # The received row count depends on routing. Unbacked, it is one symbol for the compiled
+        # experts whatever its value: a backed (dynamic) size would be specialised when it is 0
+        # or 1, and a rank whose experts receive 0 or 1 rows would recompile the block.
+        mark_unbacked(routed_x, 0)
+        return routed_x, ctx.recv.counts, ctx
+
+    def route(self, selected_experts: torch.Tensor, top_scores: torch.Tensor, align: int) -> _A2AContext:
+        """Both permutations and the split sizes of one exchange (the counts' all-to-all and the
+        layer's one host read), before any row moves: the overlapped schedule
+        (trainer/parallel/moe_overlap.py) runs this in its attention node and the two exchanges
+        as nodes of their own."""
         # Sorted by global expert, the send rows are rank-major (experts are contiguous per rank).
         send = sort_by_expert(selected_experts.reshape(-1), self.num_experts, selected_experts.shape[1])
         recv_counts = torch.empty_like(send.counts)
         # recv_counts.view(ep, E_local)[s, e]: rows source rank s sends to my local expert e.
         dist.all_to_all_single(recv_counts, send.counts, group=self.group)
         input_splits, output_splits = self.split_sizes(send.counts, recv_counts, send.src.shape[0])
-
-        recv_x = funcol.all_to_all_single_autograd(permute(x, send), output_splits, input_splits, self.group)
         # Received rows are [source rank][local expert]; the grouped GEMM wants [local expert].
         local_expert_of_row = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size),
+            torch.arange(self.num_local_experts, device=recv_counts.device).repeat(self.ep_size),
             recv_counts,
             output_size=sum(output_splits),
         )
-        recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=group_align(x))
-        routed_x = permute(recv_x, recv)
-        # The received row count depends on routing. Unbacked, it is one symbol for the compiled
-        # experts whatever its value: a backed (dynamic) size would be specialised when it is 0
-        # or 1, and a rank whose experts receive 0 or 1 rows would recompile the block.
-        mark_unbacked(routed_x, 0)
-        return routed_x, recv.counts, _A2AContext(send, recv, top_scores, input_splits, output_splits)
+        recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=align)
+        return _A2AContext(send, recv, top_scores, input_splits, output_splits)
+
+    def start_exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> PendingExchange:
+        """Sends ``rows`` (``input_splits`` to each ep rank) without waiting: the rows received
+        (``output_splits`` from each) come from the handle's ``wait()``. Every exchange of the
+        dispatcher, forward and backward, eager or overlapped, is one of these (the delay
+        benchmark wraps this method)."""
+        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        work = dist.all_to_all_single(
+            out, rows.contiguous(), output_splits, input_splits, group=self.group, async_op=True
+        )
+        return PendingExchange(work.get_future(), out)
 
     def split_sizes(
         self, send_counts: torch.Tensor, recv_counts: torch.Tensor, rows: int
@@ -132,9 +149,44 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     @torch.compiler.disable
     def exchange_back(self, routed_out: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
         """Expert outputs back to the ranks that sent the rows, in their send order."""
-        return funcol.all_to_all_single_autograd(
-            unpermute(routed_out, ctx.recv), ctx.input_splits, ctx.output_splits, self.group
-        )
+        return _Exchange.apply(unpermute(routed_out, ctx.recv), self, ctx.input_splits, ctx.output_splits)
+
+
+class PendingExchange:
+    """An all-to-all in flight: ``wait()`` returns the received rows.
+
+    Holds the work's future, not the work: a wrapper can chain work onto the future
+    (``future.then``), which then runs on the thread that completes the collective (gloo's worker
+    thread), and ``wait()`` waits for the chained result as well.
+    """
+
+    __slots__ = ("future", "out")
+
+    def __init__(self, future: torch.futures.Future, out: torch.Tensor):
+        self.future = future
+        self.out = out
+
+    def wait(self) -> torch.Tensor:
+        self.future.wait()
+        return self.out
+
+
+class _Exchange(torch.autograd.Function):
+    """A differentiable all-to-all through ``dispatcher.start_exchange``: the gradient goes back
+    by the inverse exchange (the split lists swapped). Hand-rolled instead of funcol's
+    ``all_to_all_single_autograd`` so that both directions take the one exchange path the delay
+    benchmark wraps."""
+
+    @staticmethod
+    def forward(ctx, rows, dispatcher, output_splits, input_splits):
+        ctx.dispatcher = dispatcher
+        ctx.splits = (output_splits, input_splits)
+        return dispatcher.start_exchange(rows, output_splits, input_splits).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.dispatcher.start_exchange(grad, input_splits, output_splits).wait(), None, None, None
 
 
 class ExpertParallelGroupedExperts(GroupedExperts):

@@ -21,11 +21,14 @@ leading ``Replicate()`` under HSDP), still one global ``[E, ...]`` tensor for DC
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import Shard
 
 from models.moe import MoE
@@ -183,11 +186,71 @@ def reshards_after_forward(module: FSDPModule) -> bool:
     """Whether the FSDP unit ``module`` frees its gathered parameters after forward. FSDP2 has a
     setter for this but no getter: read off its parameter groups (one per mesh on torch >= 2.13,
     one in all before)."""
-    state = module._get_fsdp_state()
+    return any(group.post_forward_mesh_info is not None for group in _param_groups(module._get_fsdp_state()))
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: one per mesh on torch >= 2.13, at most one before."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return any(group.post_forward_mesh_info is not None for group in groups)
+    return groups
+
+
+class ManualReduction:
+    """FSDP's gradient reduction for a step that calls the blocks' modules itself, so that FSDP's
+    hooks never run (trainer/parallel/moe_overlap.py): what the post-backward hooks would do.
+
+    FSDP2 has no public call for a unit's gradient reduction: this drives its parameter groups the
+    way torch's pipelining does at ``REDUCE_GRAD`` (``_PipelineStageBase.perform_reduce_grad``).
+    Without FSDP (``root`` None) both calls do nothing.
+    """
+
+    def __init__(self, root: FSDPModule | None):
+        self.root = root
+
+    def unit_done(self, module: nn.Module) -> None:
+        """``module``'s gradients of this micro-batch are complete: reduce-scatter them now (summed
+        into the sharded gradients), as its post-backward hook would, beside the compute that follows."""
+        if self.root is None:
+            return
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                for group in _param_groups(unit._get_fsdp_state()):
+                    group.post_backward()
+
+    def micro_batch_done(self) -> None:
+        """Reduces every unit not reduced yet and waits for the reductions, as FSDP's end-of-backward
+        callback does."""
+        if self.root is None:
+            return
+        state = self.root._get_fsdp_state()
+        for each in state._state_ctx.all_states:
+            for group in _param_groups(each):
+                if group._training_state != TrainingState.POST_BACKWARD:
+                    group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+@contextmanager
+def gathered_through_step(model: nn.Module) -> Iterator[ManualReduction]:
+    """Every FSDP unit of ``model`` gathered for a step that calls the blocks' modules itself
+    (trainer/parallel/moe_overlap.py); yields the ``ManualReduction`` of its gradients, and
+    reshards every unit at the end."""
+    if not isinstance(model, FSDPModule):
+        yield ManualReduction(None)
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model._get_fsdp_state()._lazy_init()  # what the root's first forward hook would do
+    for unit in units:
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield ManualReduction(model)
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_backward(True, recurse=False)
 
 
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from models.engram import NgramHasher, engram_table_params
 from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES, StageSpec
+from trainer.config.pipeline_layout import StageSpec
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.compile import compiled_cross_entropy_sum
@@ -37,6 +37,7 @@ from trainer.parallel.engram_parallel import (
 )
 from trainer.parallel.expert_parallel import apply_expert_parallel
 from trainer.parallel.fsdp import apply_fsdp, one_process_mesh
+from trainer.parallel.moe_overlap import MoEOverlapStep
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule, apply_pipeline
 from trainer.parallel.pipeline_step import PipelineStep, activation_meta, check_zero_bubble_stages
@@ -79,7 +80,7 @@ def parallelize_model(
     stage = parallelize_stage(
         model, dims, parallelism, training, activation_checkpoint, quantize, engram, device_type, specs
     )
-    return model, build_step(model, dims, training, stage, engram_hasher)
+    return model, build_step(model, dims, training, stage, engram_hasher, parallelism.moe_overlap)
 
 
 @dataclass
@@ -145,12 +146,12 @@ def parallelize_stage(
         return ParallelizedStage(context_parallel, stages, None, False)
     param_dtype = DTYPES[training.mixed_precision_param]
     reshard = "never" if one_process_cast else parallelism.fsdp_reshard_after_forward
-    if stages is not None and dims.pp_schedule in ZERO_BUBBLE_SCHEDULES and reshard != "never":
+    if stages is not None and dims.pipeline.zero_bubble and reshard != "never":
         logger.info(
             "pipeline %s: FSDP keeps every unit's parameters gathered from forward to the step's gradient "
             "reduction (reshard_after_forward=False, torch's split backward needs them), so both local "
             "stages hold unsharded %s parameters and fp32 gradient accumulators through the step (ZeRO-2-like)",
-            dims.pp_schedule, training.mixed_precision_param,
+            dims.pipeline.pp_schedule, training.mixed_precision_param,
         )
         reshard = "never"
     if one_process_cast:
@@ -178,15 +179,18 @@ def build_step(
     training: Training,
     stage: ParallelizedStage,
     engram_hasher: NgramHasher | None = None,
+    moe_overlap: bool = False,
 ) -> ParallelStep:
-    """The step object for the layout: a `PipelineStep` over the rank's stages, else a `ParallelStep`."""
+    """The step object for the layout: a `PipelineStep` over the rank's stages, else a `ParallelStep`
+    (a `MoEOverlapStep` under ``moe_overlap``: trainer/parallel/moe_overlap.py)."""
     if stage.stages is None:
-        return ParallelStep(
+        step_class = MoEOverlapStep if moe_overlap else ParallelStep
+        return step_class(
             model, dims, stage.context_parallel, keep_weights_between_microbatches=stage.one_process_cast,
             engram_hasher=engram_hasher,
         )
-    if dims.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-        check_zero_bubble_stages(stage.stages, dims.pp_schedule)
+    if dims.pipeline.zero_bubble:
+        check_zero_bubble_stages(stage.stages, dims.pipeline.pp_schedule)
     activation = activation_meta(training, dims, model.args.dim, stage.param_dtype)
     return PipelineStep(
         model, dims, stage.stages, activation, context_parallel=stage.context_parallel, engram_hasher=engram_hasher

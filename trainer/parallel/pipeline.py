@@ -33,9 +33,6 @@ from trainer.config.pipeline_layout import (
     PipelineCosts,
     StageSpec,
     describe_split,
-    rank_stages,
-    split_stages,
-    stage_ranks,
 )
 from trainer.parallel.parallel_dims import ParallelDims
 
@@ -48,11 +45,13 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, seq_len: int) -> list[S
     """Splits ``model`` in place (before any other parallelism) to the stages this pp rank runs,
     and returns them in the order the rank holds them. Logs every stage's share of the work."""
     args = model.args
+    plan = dims.pipeline
     costs = PipelineCosts(**stage_unit_costs(args, seq_len))
-    ranks = stage_ranks(dims.pp_schedule, dims.pp, dims.pp_stages)
-    specs = split_stages(args.n_layers, args.mtp_depth, dims.pp_stages, dims.pp_layout, costs, ranks)
-    logger.info("pipeline %s, training FLOPs per token: %s", dims.pp_schedule, describe_split(specs, costs, ranks))
-    mine = rank_stages(specs, dims.pp_schedule, dims.pp, dims.mesh("pp").get_local_rank())
+    specs = plan.split(args.n_layers, args.mtp_depth, costs)
+    logger.info(
+        "pipeline %s, training FLOPs per token: %s", plan.pp_schedule, describe_split(specs, costs, plan.stage_ranks())
+    )
+    mine = plan.rank_stages(specs, dims.mesh("pp").get_local_rank())
     _split_model(model, mine)
     return mine
 

@@ -40,7 +40,6 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from models.deepseek_v3.model import ModelOutput
-from trainer.config.pipeline_layout import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from trainer.distributed import all_reduce_sum, local_tensor
 from trainer.loss import count_valid, cross_entropy_sum
 from trainer.parallel.fsdp import reshards_after_forward
@@ -121,7 +120,7 @@ class PipelineStep(ParallelStep):
         """The group of this pipeline's first and last stage ranks when both hold the embedding
         (MTP without the V placement), else None. Every rank makes every pipeline's group
         (``new_group`` is collective), in the same order."""
-        if self.model.args.mtp_depth == 0 or self.dims.pp_schedule in V_SCHEDULES:
+        if self.model.args.mtp_depth == 0 or self.dims.pipeline.v_shaped:
             return None
         world = self.dims.mesh("world").mesh
         mine = None
@@ -137,7 +136,7 @@ class PipelineStep(ParallelStep):
         Validation has its own: a stage's receive buffers are made once, and need gradients only
         for training."""
         if train not in self._schedules:
-            d = self.dims
+            plan = self.dims.pipeline
             shape, dtype = self.activation_shape, self.activation_dtype
             # requires_grad marks what gradients flow back through (torch reads it off the examples).
             h = torch.empty(shape, dtype=dtype, device="meta", requires_grad=train)
@@ -148,25 +147,25 @@ class PipelineStep(ParallelStep):
             last_outputs = (logits, aux) + (logits,) * self.model.args.mtp_depth
             stages = [
                 PipelineStage(
-                    module, module.spec.index, d.pp_stages, device,
+                    module, module.spec.index, plan.n_stages, device,
                     input_args=(tokens,) if module.spec.first else (h, aux),
                     output_args=last_outputs if module.spec.last else (h, aux),
                     group=self.pp_mesh.get_group(),
                 )
                 for module in self.stages
             ]
-            cls = get_schedule_class(d.pp_schedule)
+            cls = get_schedule_class(plan.pp_schedule)
             single = issubclass(cls, PipelineScheduleSingle)
             schedule = cls(
-                stages[0] if single else stages, n_microbatches=d.pp_microbatches,
+                stages[0] if single else stages, n_microbatches=plan.pp_microbatches,
                 loss_fn=_train_loss if train else _eval_loss, scale_grads=False,
             )
             if not single and isinstance(self.stages[0], FSDPModule):
                 check_shared_params_reduced_last(
-                    schedule.pipeline_order_with_comms[schedule.rank], self.stages, d.pp_schedule
+                    schedule.pipeline_order_with_comms[schedule.rank], self.stages, plan.pp_schedule
                 )
-            if not train and d.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-                _forward_only(schedule, d.pp_microbatches)
+            if not train and plan.zero_bubble:
+                _forward_only(schedule, plan.pp_microbatches)
             self._schedules[train] = schedule
         return self._schedules[train]
 
@@ -212,7 +211,7 @@ class PipelineStep(ParallelStep):
         return loss_total, mtp_total
 
     def aux_scale(self, n_micro: int) -> float:
-        return 1.0 / (n_micro * self.dims.pp_microbatches * self.loss_degree)
+        return 1.0 / (n_micro * self.dims.pipeline.pp_microbatches * self.loss_degree)
 
     def eval_loss_sum(self, inputs, labels, autocast):
         """The last stage's sums (zeros elsewhere: `step_sum` adds the pipeline up)."""
@@ -341,6 +340,6 @@ def activation_meta(
     """Shape and dtype of the residual stream between stages: one pipeline micro-batch's rows,
     the sequence as this rank holds it (split by context and, sequence-parallel, by tensor
     parallelism), in the dtype the blocks compute in (FSDP's param dtype, else fp32)."""
-    rows = training.local_batch_size // dims.pp_microbatches
+    rows = training.local_batch_size // dims.pipeline.pp_microbatches
     seq = training.seq_len // dims.context_degree // dims.tp
     return (rows, seq, dim), param_dtype or torch.float32

@@ -1,0 +1,120 @@
+"""Worker of tests/distributed/test_moe_overlap.py: the overlapped step (``[parallelism]
+moe_overlap``, trainer/parallel/moe_overlap.py) against the plain one on the same Trainer, on one of
+2 gloo ranks in ``dp_shard 2 x ep 2`` with 4 accumulated micro-batches (debug model, fp32).
+
+From the same initial state (weights, MoE buffers, optimizer, LR schedule) each step object trains
+two steps on the same batches; each rank reports both runs' per-step losses and the names of the
+local gradients after step 1 (before clipping) that differ, then one more overlapped step's collective sequence (the
+profiler's c10d ops with their shapes, an all-to-all's row counts left out, in issue order) and its host reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+STEPS = 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state(trainer) -> dict:
+    return {
+        "tensors": [t.detach().clone() for t in (*trainer.model.parameters(), *trainer.model.buffers())],
+        "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+        "lr": copy.deepcopy(trainer.lr_scheduler.state_dict()),
+    }
+
+
+def _restore(trainer, state: dict) -> None:
+    with torch.no_grad():
+        for t, saved in zip((*trainer.model.parameters(), *trainer.model.buffers()), state["tensors"], strict=True):
+            t.copy_(saved)
+    trainer.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+    trainer.lr_scheduler.load_state_dict(copy.deepcopy(state["lr"]))
+
+
+def _train(trainer, step_object, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two steps with ``step_object``: the losses and the gradients right after step 1's backward."""
+    trainer.parallel = step_object
+    grads = {}
+    forward_backward = step_object.forward_backward
+
+    def recording(*args):
+        totals = forward_backward(*args)
+        if not grads:
+            grads.update({n: _local(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return totals
+
+    step_object.forward_backward = recording
+    losses = []
+    for step in range(1, STEPS + 1):
+        trainer.step = step
+        losses.append(trainer.train_step(batches[step - 1])["loss"])
+    del step_object.forward_backward
+    return losses, grads
+
+
+def _collectives(trainer, batches) -> tuple[list[str], int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.diagnostics import HostReadCounter
+
+    reads = HostReadCounter("cpu")
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, reads:
+        trainer.train_step(batches)
+    events = sorted((e for e in prof.events() if e.name.startswith("c10d::")), key=lambda e: e.time_range.start)
+    return [_collective(e.name, e.input_shapes) for e in events], len(reads.reads)
+
+
+def _collective(name: str, shapes: list) -> str:
+    """A collective as every rank must issue it: the row counts of an all-to-all depend on this
+    rank's routing, its row width and everything of the other collectives do not."""
+    if name.startswith("c10d::alltoall"):
+        shapes = [shape[1:] for shape in shapes]
+    return f"{name}{shapes}"
+
+
+def run(rank: int, world: int, port: int, workdir: str, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    from models.moe import moe_modules
+    from tests.helpers import step_trainer
+    from trainer.parallel.moe_overlap import MoEOverlapStep
+
+    trainer = step_trainer(
+        Path(workdir), "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.device", "cpu",
+        "--training.seq_len", "32", "--training.local_batch_size", "1", "--training.global_batch_size", "8",
+        "--training.deterministic",
+    )
+    try:
+        plain = trainer.parallel
+        overlap = MoEOverlapStep(trainer.model, plain.dims)
+        batches = [trainer.next_microbatches()[0] for _ in range(STEPS + 1)]
+        start = _state(trainer)
+        plain_losses, plain_grads = _train(trainer, plain, batches)
+        _restore(trainer, start)
+        overlap_losses, overlap_grads = _train(trainer, overlap, batches)
+        ops, reads = _collectives(trainer, batches[STEPS])
+        queue.put({
+            "rank": rank,
+            "micro_batches": trainer.grad_accum_steps,
+            "moe_layers": len(moe_modules(trainer.model)),
+            "plain_losses": plain_losses,
+            "overlap_losses": overlap_losses,
+            # Compared here: tensors put on the queue die with the process that shared them.
+            "grads": sorted(plain_grads),
+            "grads_differing": sorted(n for n in plain_grads if not torch.equal(plain_grads[n], overlap_grads[n])),
+            "same_grad_names": plain_grads.keys() == overlap_grads.keys(),
+            "collectives": ops,
+            "host_reads": reads,
+        })
+    finally:
+        trainer.close()

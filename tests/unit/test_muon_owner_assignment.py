@@ -1,0 +1,38 @@
+"""The owner assignment of owned Newton-Schulz (trainer/muon_owners.py): a pure function of the
+shapes and the rank count, shared by the optimizer and benchmarks/optim_bench.py."""
+
+import pytest
+
+from trainer.muon_owners import assign_owners, ns_flops, owned_ns_flops
+
+
+def test_ns_flops_counts_the_three_products_per_iteration():
+    # 128 x 384: X X^T 2*128*384*128, G G 2*128^3, (.) X 2*128*128*384, five times.
+    assert ns_flops((128, 384), 5) == 5 * (2 * 128 * 384 * 128 * 2 + 2 * 128**3)
+    assert ns_flops((384, 128), 5) == ns_flops((128, 384), 5)
+    assert ns_flops((8, 128, 384), 5) == 8 * ns_flops((128, 384), 5)
+
+
+def test_lpt_owners_are_deterministic_and_balanced():
+    costs = [ns_flops(s, 5) for s in [(512, 1536)] * 3 + [(256, 512)] * 7 + [(64, 64)] * 11]
+    owners = assign_owners(costs, 4)
+    assert owners == assign_owners(list(costs), 4)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    # LPT's bound: the busiest rank carries at most the mean plus the largest single matrix.
+    assert max(loads) <= sum(costs) / 4 + max(costs)
+    assert sorted(set(owners)) == [0, 1, 2, 3]
+
+
+def test_owners_balance_against_work_a_rank_already_has():
+    costs = [1.0] * 6
+    owners = assign_owners(costs, 3, base=[4.0, 0.0, 0.0])
+    assert 0 not in owners and owners.count(1) == owners.count(2) == 3
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 64])
+def test_owned_flops_sum_to_the_whole_and_fall_with_the_group(ranks):
+    shapes = [(7168, 16384)] * 4 + [(1536, 7168)] * 8 + [(576, 7168)] * 8
+    per_rank = owned_ns_flops(shapes, ranks, 5)
+    assert len(per_rank) == ranks
+    assert sum(per_rank) == pytest.approx(sum(ns_flops(s, 5) for s in shapes))
+    assert max(per_rank) <= sum(per_rank) / ranks + max(ns_flops(s, 5) for s in shapes)

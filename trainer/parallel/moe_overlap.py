@@ -1,0 +1,361 @@
+"""Hiding the expert-parallel all-to-all behind compute: the backward of one micro-batch and the
+forward of the next, interleaved node by node (Megatron-Core's "1F1B all-to-all overlap",
+single-threaded).
+
+Each MoE block of a micro-batch runs as five schedule nodes, each with detached inputs; a node's
+backward runs autograd from its outputs with the gradients it is given and hands back its inputs'
+gradients:
+
+    attention   attention, router, the exchange plan (the counts' all-to-all and the layer's one
+                host read of the split sizes), the send permutation, shared experts, balance loss
+    dispatch    the token all-to-all (backward: the inverse all-to-all of the gradient)
+    experts     the received rows' permutation, the routed experts, the permutation back
+    combine     the all-to-all back (backward: the inverse all-to-all of the gradient)
+    post        the unsort, the gate-weighted sum, the shared experts' sum and the residual
+
+The exchanges are asynchronous (``AllToAllTokenDispatcher.start_exchange``) and waited for by the
+node that consumes them, in forward and in backward. ``pair`` runs micro-batch i's backward and
+micro-batch i+1's forward layer by layer (forward layer j beside backward layer L-1-j) so that
+every exchange has a compute node of the other micro-batch beside it:
+
+    combine backward   <->  attention forward
+    dispatch forward   <->  experts backward
+    dispatch backward  <->  experts forward
+    combine forward    <->  attention backward (and the next layer's post backward)
+
+The embedding, the dense blocks and the head (with MTP, whose MoE exchanges synchronously) run
+outside the interleave. The model stays single-device: the nodes call the block's own modules
+(``attn_norm``, ``attn``, ``ffn_norm`` and the MoE's ``gate``, ``experts``, ``shared_experts``)
+and its dispatcher, as ``TransformerBlock.forward`` and ``MoE.forward`` do, in the same order of
+operations, so every micro-batch's values and gradients are bitwise those of the plain step.
+
+Collective order: every rank runs this same fixed schedule (no branch on data or timing), and
+the schedule keeps **one exchange in flight at a time** on the ep group (``ExchangeLane``): a new
+exchange, and the counts' all-to-all of an attention node, first wait for the one in flight. So
+the ep group sees one sequence of collectives, identical on every rank, as Megatron's single
+communication stream does (FSDP's reduce-scatters, on their own groups, come at fixed points of
+the same schedule); one exchange beside one compute node is all the schedule above can hide
+anyway. Separate groups per direction would let a forward and a backward exchange run at once, at
+the cost of a second communicator per ep group and an order argument across two groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.profiler import record_function
+
+from models.deepseek_v3 import ModelOutput
+from models.moe import MoE
+from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
+from models.moe.router import count_tokens_per_expert
+from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
+from trainer.parallel.fsdp import gathered_through_step
+from trainer.parallel.step import MicroBatch, ParallelStep
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A node's input: cut from the producing node's graph, gradient kept here."""
+    return None if t is None else t.detach().requires_grad_(t.requires_grad)
+
+
+def _backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
+    """Autograd from a node's outputs with their gradients; the gradients of its input leaves."""
+    pairs = [
+        (out, grad) for out, grad in zip(outputs, grads, strict=True)
+        if out is not None and grad is not None and out.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+    return [None if leaf is None else leaf.grad for leaf in inputs]
+
+
+class _Slot:
+    """One exchange of the lane: its rows once waited for."""
+
+    __slots__ = ("pending", "rows")
+
+    def __init__(self, pending: PendingExchange):
+        self.pending = pending
+        self.rows = None
+
+    def result(self) -> torch.Tensor:
+        if self.rows is None:
+            self.rows = self.pending.wait()
+            self.pending = None
+        return self.rows
+
+
+class ExchangeLane:
+    """The overlapped schedule's exchanges on the ep group, one in flight at a time (module doc)."""
+
+    def __init__(self):
+        self.in_flight: _Slot | None = None
+
+    def start(self, dispatcher: AllToAllTokenDispatcher, rows, output_splits, input_splits) -> _Slot:
+        self.drain()
+        self.in_flight = _Slot(dispatcher.start_exchange(rows, output_splits, input_splits))
+        return self.in_flight
+
+    def drain(self) -> None:
+        """Waits for the exchange in flight (before any other collective on the group)."""
+        if self.in_flight is not None:
+            self.in_flight.result()
+            self.in_flight = None
+
+
+class MoELayerNodes:
+    """One MoE block of one micro-batch as schedule nodes (module doc), forward then backward."""
+
+    def __init__(self, block, rope, autocast: Callable, lane: ExchangeLane):
+        self.block = block
+        self.moe: MoE = block.ffn
+        self.rope = rope  # (freqs_cis, attn_mask) of the micro-batch
+        self.autocast = autocast
+        self.lane = lane
+
+    # Forward.
+    def attention(self, x: torch.Tensor) -> None:
+        block, moe = self.block, self.moe
+        with record_function("moe_overlap.attention.forward"), self.autocast():
+            self.x = _leaf(x)
+            h = self.x + block.attn(block.attn_norm(self.x), *self.rope)
+            ffn_in = block.ffn_norm(h)
+            self.shape = ffn_in.shape
+            tokens = ffn_in.reshape(-1, self.shape[-1])
+            top_scores, selected, scores = moe.gate(tokens, moe.expert_bias)
+            if moe.training:
+                with torch.no_grad():
+                    moe.tokens_per_expert.add_(count_tokens_per_expert(selected.reshape(-1), moe.num_experts))
+            # The shared experts stay after the permutation, where MoE.forward has them: run
+            # before it (beside the exchange in flight) they change the order in which autograd
+            # sums the tokens' gradients, and the result's last bits.
+            self.lane.drain()  # route's counts all-to-all shares the group with the exchanges
+            self.ctx = moe.dispatcher.route(selected, top_scores, group_align(tokens))
+            send_rows = permute(tokens, self.ctx.send)
+            shared = moe.shared_experts(tokens) if moe.shared_experts is not None else None
+            aux = moe._sequence_balance_loss(scores, selected, self.shape[0], self.shape[1])
+        self.attn_out = (h, send_rows, shared, top_scores, aux)
+
+    def dispatch(self) -> None:
+        ctx = self.ctx
+        send_rows = self.attn_out[1].detach()
+        self.dispatched = self.lane.start(self.moe.dispatcher, send_rows, ctx.output_splits, ctx.input_splits)
+
+    def experts(self) -> None:
+        recv_rows = self.dispatched.result()
+        with record_function("moe_overlap.experts.forward"), self.autocast():
+            self.recv_rows = recv_rows.requires_grad_(self.attn_out[1].requires_grad)
+            routed_out = self.moe.experts(permute(self.recv_rows, self.ctx.recv), self.ctx.recv.counts)
+            self.back_rows = unpermute(routed_out, self.ctx.recv)
+        self.dispatched = None
+
+    def combine(self) -> None:
+        ctx = self.ctx
+        self.combined = self.lane.start(self.moe.dispatcher, self.back_rows.detach(), ctx.input_splits, ctx.output_splits)
+
+    def post(self) -> torch.Tensor:
+        """The block's output (the next node's input)."""
+        h, _, shared, top_scores, _ = self.attn_out
+        back = self.combined.result()
+        with record_function("moe_overlap.post.forward"), self.autocast():
+            self.post_in = (back.requires_grad_(self.back_rows.requires_grad), _leaf(h), _leaf(shared), _leaf(top_scores))
+            back, h, shared, top_scores = self.post_in
+            out = gate_weighted_sum(unpermute(back, self.ctx.send), top_scores)
+            if shared is not None:
+                out = out + shared
+            self.y = h + out.view(self.shape)
+        self.combined = None
+        return self.y
+
+    # Backward, in reverse; ``aux_grad`` is the gradient of the block's balance loss (from the head).
+    def post_backward(self, grad_y: torch.Tensor, aux_grad: torch.Tensor | None) -> None:
+        with record_function("moe_overlap.post.backward"):
+            self.post_grads = _backward([self.y], [grad_y], self.post_in)
+        self.aux_grad = aux_grad
+        self.y = self.post_in = None
+
+    def combine_backward(self) -> None:
+        ctx = self.ctx
+        grad_back = self.post_grads[0]
+        self.combined = self.lane.start(self.moe.dispatcher, grad_back, ctx.output_splits, ctx.input_splits)
+
+    def experts_backward(self) -> None:
+        grad_back = self.combined.result()
+        with record_function("moe_overlap.experts.backward"):
+            (self.grad_recv,) = _backward([self.back_rows], [grad_back], [self.recv_rows])
+        self.combined = self.back_rows = self.recv_rows = None
+
+    def dispatch_backward(self) -> None:
+        ctx = self.ctx
+        self.dispatched = self.lane.start(self.moe.dispatcher, self.grad_recv, ctx.input_splits, ctx.output_splits)
+        self.grad_recv = None
+
+    def attention_backward(self) -> torch.Tensor | None:
+        """The gradient of the block's input."""
+        grad_send = self.dispatched.result()
+        _, grad_h, grad_shared, grad_top = self.post_grads
+        with record_function("moe_overlap.attention.backward"):
+            (grad_x,) = _backward(self.attn_out, [grad_h, grad_send, grad_shared, grad_top, self.aux_grad], [self.x])
+        self.dispatched = self.attn_out = self.post_grads = self.x = None
+        return grad_x
+
+
+class MicroBatchNodes:
+    """One micro-batch through the model: the embedding and dense blocks, the MoE blocks as
+    ``MoELayerNodes``, the head with the loss; ``objective`` and ``aux_scale`` as in
+    ``ParallelStep.forward_backward``."""
+
+    def __init__(
+        self, model, mb: MicroBatch, objective: Callable, aux_scale: float, autocast: Callable, lane, reduction
+    ):
+        self.model, self.mb, self.objective, self.aux_scale = model, mb, objective, aux_scale
+        self.autocast, self.lane, self.reduction = autocast, lane, reduction
+        blocks = list(model.layers.values())
+        first_moe = next(i for i, block in enumerate(blocks) if block.moe_enabled)
+        self.dense = blocks[:first_moe]
+        self.moe_blocks = blocks[first_moe:]
+
+    # Forward.
+    def forward_pre(self) -> None:
+        model, mb = self.model, self.mb
+        kwargs = mb.model_kwargs
+        with record_function("moe_overlap.pre.forward"), self.autocast():
+            self.rope = model.rope_and_mask(mb.inputs, kwargs.get("positions"), kwargs.get("attn_mask"))
+            self.h0, self.aux0 = model.forward_blocks(model.embed(mb.inputs), *self.rope, mb.inputs, None, self.dense)
+            # MTP's inputs are embedded here, beside the tokens: the embedding's two uses then meet
+            # in one backward (this node's), which sums their gradients as the plain step's does.
+            # Accumulated from two backward calls they differ in the last bit.
+            depths = len(model.mtp) if model.mtp is not None and model.training else 0
+            self.mtp_embeds = [model.mtp_embed(mb.labels, depth) for depth in range(depths)]
+        self.layers = [MoELayerNodes(block, self.rope, self.autocast, self.lane) for block in self.moe_blocks]
+
+    def forward_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss; returns its cross-entropy and MTP terms (detached)."""
+        self.lane.drain()  # MTP's MoE exchanges synchronously
+        with record_function("moe_overlap.head.forward"), self.autocast():
+            self.head_in = [_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
+            self.head_in += [_leaf(layer.attn_out[4]) for layer in self.layers]
+            h, *rest = self.head_in
+            mtp_embeds, auxes = rest[: len(self.mtp_embeds)], rest[len(self.mtp_embeds) :]
+            # The balance losses summed in the order of DeepSeekV3Model.forward_blocks.
+            aux = self.aux0
+            for layer_aux in auxes:
+                aux = aux + layer_aux
+            logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.mb.labels, *self.rope, mtp_embeds)
+            out = ModelOutput(logits, mtp_logits, aux + mtp_aux)
+            self.loss, ce, mtp = self.objective(out, self.mb.targets, self.aux_scale)
+        return ce.detach(), mtp.detach()
+
+    def forward_alone(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.forward_pre()
+        x = self.h0
+        for layer in self.layers:
+            layer.attention(x)
+            layer.dispatch()
+            layer.experts()
+            layer.combine()
+            x = layer.post()
+        return self.forward_head()
+
+    # Backward.
+    def backward_head(self) -> None:
+        with record_function("moe_overlap.head.backward"):
+            grads = _backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
+        depths = len(self.mtp_embeds)
+        self.grad, self.mtp_grads, self.aux_grads = grads[0], grads[1 : 1 + depths], grads[1 + depths :]
+        self.loss = self.head_in = None
+
+    def backward_layer_end(self, layer: MoELayerNodes) -> None:
+        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
+        self.grad = layer.attention_backward()
+        self.reduction.unit_done(layer.block)
+
+    def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
+        layer = self.layers[layer_index]
+        layer.post_backward(self.grad, self.aux_grads[layer_index])
+        layer.combine_backward()
+        return layer
+
+    def backward_pre(self) -> None:
+        with record_function("moe_overlap.pre.backward"):
+            _backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
+        self.h0 = self.aux0 = self.grad = self.layers = self.mtp_embeds = self.mtp_grads = None
+
+    def backward_alone(self) -> None:
+        self.backward_head()
+        for i in reversed(range(len(self.layers))):
+            layer = self.backward_layer_start(i)
+            layer.experts_backward()
+            layer.dispatch_backward()
+            self.backward_layer_end(layer)
+        self.backward_pre()
+
+
+def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """``b``'s backward beside ``f``'s forward, MoE layer by MoE layer (module doc); returns
+    ``f``'s loss terms. The same order on every rank: it depends only on the layer counts."""
+    f.forward_pre()
+    b.backward_head()
+    num_layers = len(f.layers)
+    x = f.h0
+    for j in range(num_layers):
+        fl = f.layers[j]
+        bl = b.backward_layer_start(num_layers - 1 - j)  # post backward, combine backward starts
+        if j > 0:
+            x = f.layers[j - 1].post()
+        fl.attention(x)  # beside the combine backward
+        fl.dispatch()
+        bl.experts_backward()  # beside the dispatch forward
+        bl.dispatch_backward()
+        fl.experts()  # beside the dispatch backward
+        fl.combine()
+        b.backward_layer_end(bl)  # beside the combine forward
+    f.layers[-1].post()
+    terms = f.forward_head()
+    b.backward_pre()
+    return terms
+
+
+class MoEOverlapStep(ParallelStep):
+    """``ParallelStep`` whose micro-batches run as (B_i, F_{i+1}) pairs under expert parallelism
+    (``[parallelism] moe_overlap``): micro-batch 0's forward alone, then the pairs, then the last
+    backward alone (Megatron's ``combined_1f1b_schedule_for_no_pipelining``). Two micro-batches'
+    activations are alive at once. Under FSDP every unit stays gathered through the step and its
+    gradients are reduced once per micro-batch as the plain step's hooks do: a block's right after
+    its attention backward, the rest at the micro-batch's end (``gathered_through_step``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        blocks = list(self.model.layers.values())
+        moe = [block.moe_enabled for block in blocks]
+        if not any(moe) or moe.index(True) + sum(moe) != len(blocks):
+            raise ValueError("moe_overlap needs the MoE blocks to follow the dense ones, with at least one MoE block")
+        for block in blocks:
+            if block.moe_enabled and not isinstance(block.ffn.dispatcher, AllToAllTokenDispatcher):
+                raise ValueError("moe_overlap needs expert parallelism (the all-to-all dispatcher): set parallelism.ep > 1")
+            if getattr(block, "engram", None) is not None:
+                raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
+
+    def forward_backward(self, micro: list[MicroBatch], objective: Callable, autocast: Callable) -> tuple:
+        device = micro[0].labels.device
+        loss_total = torch.zeros((), device=device)
+        mtp_total = torch.zeros((), device=device)
+        lane = ExchangeLane()
+
+        def add(terms):
+            nonlocal loss_total, mtp_total
+            loss_total += self.value(terms[0])
+            mtp_total += self.value(terms[1])
+
+        with gathered_through_step(self.model) as reduction:
+            aux_scale = self.aux_scale(len(micro))
+            nodes = [MicroBatchNodes(self.model, mb, objective, aux_scale, autocast, lane, reduction) for mb in micro]
+            add(nodes[0].forward_alone())
+            for b, f in zip(nodes, nodes[1:]):
+                add(pair(b, f))
+                reduction.micro_batch_done()
+            nodes[-1].backward_alone()
+            reduction.micro_batch_done()
+        return loss_total, mtp_total
