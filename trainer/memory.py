@@ -22,7 +22,11 @@ also keep the parameters unsharded after forward (``reshard_after_forward=False`
 their split backward), in the compute dtype: ZeRO-2 within a step. Those parameters replace the
 all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer stays. Both are
 counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
-writes while the last accumulators are still held.
+writes while the last accumulators are still held. A stage's backward temporaries (the embedding
+and head gradients) arise while the other in-flight micro-batches' activations are held, so under
+pp they add to the forward side; 1F1B's rank r keeps pp - r micro-batches in flight, the other
+schedules up to pp (both measured by the dry run, trainer/dry_run.py). Not modelled: a zero-bubble
+schedule keeps a checkpointed block's recomputed activations until its weight pass.
 
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
@@ -151,7 +155,7 @@ def estimate(
     flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
-    state_dtype: str = "float32",
+    state_dtype: str = "float32", stage_costs: PipelineCosts | None = None,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -163,7 +167,9 @@ def estimate(
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
     of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
     zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
-    the fullest rank's, with every rank's total in ``gib_per_pp_rank``."""
+    the fullest rank's, with every rank's total in ``gib_per_pp_rank``. ``stage_costs``: the
+    model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
+    estimates many layouts of one model; computing them builds the model on the meta device)."""
     a = model_args or get_flavor(flavor)
     plan = pipeline or PipelinePlan()
     pp = plan.pp
@@ -184,15 +190,18 @@ def estimate(
     micro = plan.pp_microbatches
     if local_batch_size % micro:
         raise ValueError(f"pp_microbatches={micro} must divide local_batch_size={local_batch_size}")
-    specs = plan.split(a.n_layers, a.mtp_depth, PipelineCosts(**stage_unit_costs(a, seq_len)))
-    in_flight = min(pp, micro)
+    specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
     ranks = []
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
+        # 1F1B's warm-up: rank r runs pp - r forwards before its first backward (the last rank
+        # holds one micro-batch; measured by the dry run, docs/performance.md); the other
+        # schedules up to pp.
+        depth = pp - rank if plan.pp_schedule == "1F1B" else pp
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // micro, in_flight, pipelined=True, zero_bubble=plan.zero_bubble, **share,
+            local_batch_size // micro, min(depth, micro), pipelined=True, zero_bubble=plan.zero_bubble, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
@@ -292,9 +301,13 @@ def _estimate_share(
     g = result["gib"]
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
     held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
-    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + max(
-        g["grads"] + g["backward_temporaries"], forward + g["attention_mask"]
-    )
+    if pipelined:
+        # A stage's backward (its embedding / head gradient temporaries) runs while the other
+        # in-flight micro-batches' activations are held: the two add up (the dry run's peak).
+        peak = g["backward_temporaries"] + max(g["grads"], forward + g["attention_mask"])
+    else:
+        peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"])
+    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + peak
     return result
 
 

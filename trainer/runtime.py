@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import logging
 import os
 import platform
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -109,3 +111,19 @@ def versions() -> dict[str, str]:
     if torch.version.cuda:
         info["cuda"] = torch.version.cuda
     return info
+
+
+def setup_logging(log_file: Path) -> None:
+    """The "trainer" logger to stdout and the run's log file, nothing else (a rerun in the same
+    process replaces the handlers of the last)."""
+    root = logging.getLogger("trainer")
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    if root.handlers:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, encoding="utf-8")):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -68,6 +67,7 @@ from trainer.runtime import (
     resolve_path,
     select_device,
     set_seed_and_determinism,
+    setup_logging,
     versions,
 )
 from trainer.step_hooks import StepHook
@@ -106,7 +106,7 @@ class Trainer:
         a typo in the flavor, or heads / experts the layout cannot split, fail here, before the
         run folder exists."""
         cfg, t = self.cfg, self.cfg.training
-        self.parallel_dims = ParallelDims.from_job(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self.parallel_dims = ParallelDims.from_job(cfg, self._world_size())
         shape = model_args or resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
         mtp_depth = shape.mtp_depth if model_args else cfg.model.mtp_depth_for(shape.mtp_depth)
@@ -117,7 +117,7 @@ class Trainer:
                 "model.attn_backend = 'flex' needs a CUDA device (flex attention has no CPU backward); "
                 "use --model.attn_backend sdpa"
             )
-        init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self._init_process_group()
         self.parallel_dims.build_meshes(self.device.type)
         # The meshes' groups start with torch's backend default (30 min gloo, 10 min NCCL): the
         # build's collectives on them (a resharding load) get the start-up bound, as the default
@@ -126,6 +126,13 @@ class Trainer:
         self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
         set_seed_and_determinism(t.seed, t.deterministic)
         self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
+
+    def _world_size(self) -> int:
+        """The run's world size: torchrun's (a dry run rehearses another, trainer/dry_run.py)."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _init_process_group(self) -> None:
+        init_distributed(self.device, self.cfg.comm.init_timeout_seconds)
 
     def _use_collective_timeout(self, key: str) -> None:
         """Every process group of the run waits at most ``comm.<key>`` seconds in a collective from
@@ -138,7 +145,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         resumable = cfg.checkpoint.enable
         self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
-        _setup_logging(self.run_dir / "train.log")
+        setup_logging(self.run_dir / "train.log")
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
         logger.info(
@@ -157,11 +164,11 @@ class Trainer:
         """The tokenizer, the model's shape and the model: checked to fit, built on the meta
         device, laid out by ``parallelize_model`` (which gives the step object) and materialized."""
         cfg, t = self.cfg, self.cfg.training
-        self.tokenizer = tok = build_tokenizer(resolve_path(cfg.model.tokenizer_path))
+        self.tokenizer = tok = self._build_tokenizer()
         self.model_args = model_args or build_model_args(cfg, tok.vocab_size, tok.eos_id)
         self.parallel_dims.check_shapes(t.seq_len, vocab_size=self.model_args.vocab_size)
         if t.check_memory_fit:  # before a build that could not fit
-            check_fits(cfg, self.model_args, self.parallel_dims, self.device, available_memory)
+            self._check_memory_fit(available_memory)
         with torch.device("meta"):
             model = DeepSeekV3Model(self.model_args)
         hasher = None
@@ -173,7 +180,7 @@ class Trainer:
             model, self.parallel_dims, cfg.parallelism, t, cfg.activation_checkpoint, cfg.quantize, cfg.engram,
             self.device.type, hasher,
         )
-        materialize(model, self.device, t.seed)
+        self._materialize(model)
         model.train()
         if model.engram_layer_ids:  # (a pipeline rank may hold none)
             table_stats = engram_metrics(model)
@@ -183,6 +190,15 @@ class Trainer:
                 table_stats["engram/table_rows_per_rank"], table_stats["engram/table_bytes_per_rank"] / 2**20,
             )
         self.model = model
+
+    def _materialize(self, model: torch.nn.Module) -> None:
+        materialize(model, self.device, self.cfg.training.seed)
+
+    def _build_tokenizer(self):
+        return build_tokenizer(resolve_path(self.cfg.model.tokenizer_path))
+
+    def _check_memory_fit(self, available_memory: int | None) -> None:
+        check_fits(self.cfg, self.model_args, self.parallel_dims, self.device, available_memory)
 
     def _build_training_pieces(self) -> None:
         """What a step uses beside the model and its step object (precision, loss, optimizer,
@@ -202,6 +218,11 @@ class Trainer:
                 self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh,
                 self.parallel_dims.mesh_or_none("tp"), self.parallel_dims.mesh_or_none("pp"),
             ))
+        self._build_data()
+
+    def _build_data(self) -> None:
+        """The training loader and the validation."""
+        cfg, t = self.cfg, self.cfg.training
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
         self.token_group = torch.distributed.new_group(backend="gloo") if multi else None
@@ -250,13 +271,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """The checkpointer, and the run's state from its last checkpoint when there is one."""
-        self.step = 0
-        self.nonfinite = NonFiniteGuard(self.cfg.training.max_skipped_steps)
-        self.checkpointer = CheckpointManager(
-            self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
-        )
+        self._build_checkpointer()
         # torchrun --max-restarts (run_train.sh's RESTARTS) starts the same command again after a
         # worker failed: a resumable run's folder is the dump folder itself, so the load below
         # picks up the newest complete checkpoint and names it.
@@ -273,6 +288,16 @@ class Trainer:
             self.step = int(resumed["step"])
             self.nonfinite.load_state_dict(resumed)
             self._note_data_shape_changes(resumed)
+
+    def _build_checkpointer(self) -> None:
+        """The step counter, the non-finite guard and the checkpointer (nothing loaded yet)."""
+        self.step = 0
+        self.nonfinite = NonFiniteGuard(self.cfg.training.max_skipped_steps)
+        self.checkpointer = CheckpointManager(
+            self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
+        )
 
     def _data_shape(self) -> dict[str, int]:
         """Saved with every checkpoint: a resume may change them, but should say so."""
@@ -360,7 +385,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         # The step's one host read. Checked before the step, so a NaN never reaches the weights
         # nor the MoE bias. The schedule still advances: LR stays a function of the step.
-        loss_value, mtp_value, norm_value = torch.cat([totals, grad_norm.to(totals).view(1)]).tolist()
+        loss_value, mtp_value, norm_value = self._read_step_values(torch.cat([totals, grad_norm.to(totals).view(1)]))
         skip = self.nonfinite.should_skip(self.step, loss_value, norm_value)
         for hook in self.step_hooks:
             hook.before_optimizer(skip)
@@ -375,6 +400,10 @@ class Trainer:
         if self.model_args.mtp_depth:
             stats["mtp_loss"] = mtp_value
         return stats
+
+    @staticmethod
+    def _read_step_values(values: torch.Tensor) -> list[float]:
+        return values.tolist()
 
     def objective(
         self, out, targets, aux_scale: float, n_valid: torch.Tensor, n_valid_mtp: torch.Tensor
@@ -487,26 +516,16 @@ class Trainer:
         destroy_distributed()
 
 
-def _setup_logging(log_file: Path) -> None:
-    root = logging.getLogger("trainer")
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    if root.handlers:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-            h.close()
-    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, encoding="utf-8")):
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         cfg = load_config(argv)
     except ConfigError as e:
         return report_user_error(f"config error: {e}")
+    if cfg.job.dry_run:
+        from trainer.dry_run import main as dry_run_main
+
+        return dry_run_main(cfg)
     # Before the build, which can take minutes: a stop signal meanwhile is a request too.
     stop = StopRequest(cfg.training.time_limit_minutes).install()
     write_launch_file("pid", str(os.getpid()))

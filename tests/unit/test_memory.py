@@ -102,7 +102,7 @@ def test_pipeline_estimate_is_the_fullest_rank():
     assert piped["params_total_B"] == flat["params_total_B"]
     per_rank = piped["gib_per_pp_rank"]
     assert len(per_rank) == 8 and piped["gib"]["total"] == max(per_rank) == per_rank[-1]
-    assert per_rank[0] < per_rank[3] < per_rank[-1]
+    assert max(per_rank[:-1]) < per_rank[-1]
     # 1 sequence per micro-batch and up to pp = 8 of them in flight vs 1 sequence: the same rows.
     assert piped["gib"]["logits_and_loss"] == flat["gib"]["logits_and_loss"]
 

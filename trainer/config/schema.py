@@ -33,6 +33,11 @@ class Job(Section):
     )
     description: str = option("", "Free-text description of the run, recorded in the log")
     print_config: bool = option(True, "Print the resolved config at start")
+    dry_run: bool = option(
+        False, "Rehearse one step of one rank of a [dry_run] world_size world on this CPU (fake process group, fake "
+        "tensors): the build, per-rank peak memory by category, the step's collectives; nothing is trained "
+        "(docs/planning.md)"
+    )
 
 
 @dataclass
@@ -453,6 +458,27 @@ class Quantize(Section):
 
 
 @dataclass
+class DryRun(Section):
+    world_size: int = option(8, "job.dry_run: ranks of the rehearsed world (NNODES x NGPU of the real launch)")
+    rank: int = option(
+        -1, "job.dry_run: the rank to rehearse; -1 = rank 0, or under pipeline parallelism the ranks holding the "
+        "first and the last stage"
+    )
+    gpu_memory_gib: float = option(80.0, "job.dry_run: memory of one rehearsed GPU, for the memory-fit check")
+    output_json: str = option("", "job.dry_run: also write the report to this JSON file")
+
+    def problems(self) -> list[str]:
+        return failed_checks(
+            (self.world_size >= 1, f"dry_run.world_size must be >= 1, got {self.world_size}."),
+            (
+                -1 <= self.rank < self.world_size,
+                f"dry_run.rank {self.rank} is outside the world of dry_run.world_size {self.world_size} ranks; "
+                f"pick a rank in 0..{self.world_size - 1}, or -1 for the default ranks.",
+            ),
+        )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -468,6 +494,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)
+    dry_run: DryRun = field(default_factory=DryRun)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

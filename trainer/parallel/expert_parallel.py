@@ -109,12 +109,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         recv_counts = torch.empty_like(send.counts)
         # recv_counts.view(ep, E_local)[s, e]: rows source rank s sends to my local expert e.
         dist.all_to_all_single(recv_counts, send.counts, group=self.group)
-        send_rank = send.counts.view(self.ep_size, self.num_local_experts)
-        recv_rank = recv_counts.view(self.ep_size, self.num_local_experts)
-        # The one host read per MoE layer: both split lists at once (all_to_all takes them in
-        # Python).
-        splits = torch.cat([send_rank.sum(1), recv_rank.sum(1)]).tolist()
-        input_splits, output_splits = splits[: self.ep_size], splits[self.ep_size :]
+        input_splits, output_splits = self.split_sizes(send.counts, recv_counts, send.src.shape[0])
         # Received rows are [source rank][local expert]; the grouped GEMM wants [local expert].
         local_expert_of_row = torch.repeat_interleave(
             torch.arange(self.num_local_experts, device=recv_counts.device).repeat(self.ep_size),
@@ -134,6 +129,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             out, rows.contiguous(), output_splits, input_splits, group=self.group, async_op=True
         )
         return PendingExchange(work.get_future(), out)
+
+    def split_sizes(
+        self, send_counts: torch.Tensor, recv_counts: torch.Tensor, rows: int
+    ) -> tuple[list[int], list[int]]:
+        """Rows sent to and received from each ep rank (of ``rows`` sent in all), from the
+        per-expert counts: the one host read per MoE layer, both lists at once (all_to_all takes
+        them in Python)."""
+        send_rank = send_counts.view(self.ep_size, self.num_local_experts)
+        recv_rank = recv_counts.view(self.ep_size, self.num_local_experts)
+        splits = torch.cat([send_rank.sum(1), recv_rank.sum(1)]).tolist()
+        return splits[: self.ep_size], splits[self.ep_size :]
 
     def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
         # The unsort and gate weighting compile with the block; only the exchange is eager.

@@ -1,0 +1,120 @@
+"""The dry run (trainer/dry_run.py): the Trainer's real build for one rank of a large world on
+the fake process group, its step under fake tensors, and its report checked against a real run.
+
+A dry run of rank 0 builds the debug model in the process that asks for it (a fake process group is
+made and destroyed per run), another rank in a fresh one. torch resolves a second fake world's
+groups wrongly in a process that ran one already, so each world size below runs the command line
+in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import dry_run_worker
+import pytest
+
+from trainer.config import load_config
+from trainer.diagnostics import spawn_local
+from trainer.dry_run import default_ranks, dry_run
+from trainer.train import main
+
+DEBUG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64"]
+# What the dry run and the real run at world 2 both run (tests/helpers.py step_trainer's shape).
+WORLD_2 = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dry(*args: str) -> dict:
+    (report,) = dry_run(load_config([*DEBUG, "--job.dry_run", *args]))
+    return report
+
+
+def _dry_command(tmp_path: Path, *args: str) -> list[dict]:
+    """``python -m trainer.train --job.dry_run ...`` in a process of its own: its JSON report."""
+    out = tmp_path / "dry_run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", *DEBUG, "--job.dry_run", "--dry_run.output_json", str(out), *args],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _pairs(collectives: list[dict]) -> Counter:
+    return Counter({(c["collective"], c["group_size"]): c["count"] for c in collectives})
+
+
+@pytest.mark.parametrize(
+    "world, args, stages",
+    [
+        pytest.param(8, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--parallelism.tp", "2"], [], id="8",
+                     marks=pytest.mark.slow),
+        pytest.param(64, ["--parallelism.dp_shard", "32", "--parallelism.ep", "8", "--parallelism.cp", "2"], [],
+                     id="64", marks=pytest.mark.slow),
+        # V schedules: rank 0 holds the first and the last stage (the default ranks of the others:
+        # test_default_ranks_are_the_first_and_last_stage_holders).
+        pytest.param(8, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard",
+                         "4", "--parallelism.ep", "2", "--training.local_batch_size", "4"], [0, 3], id="8_pp",
+                     marks=pytest.mark.slow),
+        pytest.param(64, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.dp_shard",
+                          "32", "--parallelism.ep", "8", "--training.local_batch_size", "4"], [0, 3], id="64_pp",
+                     marks=pytest.mark.slow),
+    ],
+)
+def test_dry_run_builds_the_debug_model_at_world(world, args, stages, tmp_path):
+    (r,) = _dry_command(tmp_path, "--dry_run.world_size", str(world), *args)
+    assert r["world_size"] == world and r["stages"] == stages
+    pairs = _pairs(r["collectives"])
+    cfg = load_config([*DEBUG, "--dry_run.world_size", str(world), *args])
+    p = cfg.parallelism
+    fsdp = world // (p.pp * p.tp * p.cp * p.dp_replicate) * p.cp
+    assert pairs[("_allgather_base", fsdp)] > 0 and pairs[("_reduce_scatter_base", fsdp)] > 0, pairs
+    assert pairs[("alltoall_base", p.ep)] > 0, pairs
+    if p.pp > 1:
+        assert pairs[("send", p.pp)] > 0 and pairs[("recv", p.pp)] > 0, pairs
+    if p.tp > 1:
+        assert any(name.startswith(("all_gather", "reduce_scatter")) for name, size in pairs if size == p.tp), pairs
+    m = r["memory_gib"]
+    assert m["total"] > 0 and m["params"] > 0 and m["activations"] > 0 and m["optimizer_states"] > 0
+    assert any("balanced split" in note for note in r["notes"])
+
+
+def test_default_ranks_are_the_first_and_last_stage_holders():
+    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", "--parallelism.pp", "2"])) == [0, 32]
+    v = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
+    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", *v])) == [0]
+    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", "--dry_run.rank", "5"])) == [5]
+
+
+@pytest.mark.slow
+def test_dry_run_collectives_and_peak_match_a_real_two_process_run(tmp_path):
+    """Same collectives (names, group sizes, counts) and the same tracked peak within 10% as the
+    real gloo run of the layout, whose second step is tracked on real tensors by the same code."""
+    shape = ["--model.use_grouped_mm", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32"]
+    real = spawn_local(dry_run_worker.run, 2, str(tmp_path), [*WORLD_2, *shape], timeout=300)
+    rank0 = next(r for r in real if r["rank"] == 0)
+    dry = _dry("--dry_run.world_size", "2", *WORLD_2, *shape, "--dry_run.rank", "0")
+    assert _pairs(dry["collectives"]) == _pairs(rank0["collectives"])
+    assert dry["memory_gib"]["total"] == pytest.approx(rank0["memory_gib"]["total"], rel=0.10)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dry_run.world_size", "6", "--parallelism.pp", "4"], "does not divide the world size 6"),
+        (["--dry_run.world_size", "8", "--dry_run.rank", "8"], "dry_run.rank 8 is outside"),
+        (["--dry_run.world_size", "8", "--model.flavor", "999B"], "model.flavor"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main([*DEBUG, "--job.dry_run", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

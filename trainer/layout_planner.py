@@ -1,0 +1,167 @@
+"""The layout planner: every layout of a model on N GPUs that the pre-launch check accepts, those
+the memory estimator fits on the GPUs, ranked by the step-time model (trainer/step_time.py).
+
+Candidates: pp over the divisors of N that leave every stage a block, with each schedule
+(1F1B, Interleaved1F1B with 2 or 4 stages per rank, InterleavedZeroBubble, ZBVZeroBubble,
+DualPipeV) and 1, 2 or 4
+micro-batches per stage of the run; tp up to a node (it divides the heads), cp 1, 2 or 4;
+dp_replicate among the divisors of what is left; ep over the divisors of dp_shard x cp that divide
+the experts; activation checkpointing none or full; without pp, the micro-batch rows among 1, 2, 4
+and 8. The batch is the global batch over the data ranks. A candidate is valid when `Layout`
+accepts its degrees and the model's blocks, heads, experts and sequence (`check_model_fit`, the
+pre-launch check's own), and its batch divides (`Layout.check_batch`); the printed flags of the
+ranked ones go once more through `load_config` and the same checks, as run_train.sh reads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from models.deepseek_v3 import get_flavor
+from models.deepseek_v3.stats import stage_unit_costs
+from trainer.config import ConfigError, load_config
+from trainer.config.check import check_model_fit
+from trainer.config.layout import Layout
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.memory import estimate
+from trainer.step_time import Hardware, Plan, step_time
+
+# Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
+# 1F1B's memory, LoopedBFS by Interleaved1F1B's bubble).
+SCHEDULES = (
+    ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+)
+# GiB a GPU keeps outside torch's tensors: CUDA context, NCCL buffers, fragmentation
+# (scripts/estimate_memory.py's allowance).
+RESERVE_GIB = 6.0
+
+
+@dataclass(frozen=True)
+class Ranked:
+    plan: Plan
+    memory_gib: float
+    time: dict
+
+    def flags(self) -> list[str]:
+        """The ``run_train.sh`` options of this layout (with the config file's)."""
+        p = self.plan
+        out = [
+            "--parallelism.pp", str(p.pp), "--parallelism.dp_replicate", str(p.dp_replicate),
+            "--parallelism.dp_shard", str(p.dp_shard), "--parallelism.cp", str(p.cp), "--parallelism.tp", str(p.tp),
+            "--parallelism.ep", str(p.ep),
+        ]
+        if p.pp > 1:
+            out += ["--parallelism.pp_schedule", p.schedule, "--parallelism.pp_stages_per_rank", str(p.stages_per_rank),
+                    "--parallelism.pp_microbatches", str(p.microbatches)]
+        dp = p.dp_replicate * p.dp_shard
+        out += ["--training.seq_len", str(p.seq_len), "--training.local_batch_size", str(p.local_batch_size),
+                "--training.global_batch_size", str(dp * p.local_batch_size * p.accumulation),
+                "--activation_checkpoint.mode", p.ac]
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(flavor: str, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int) -> Iterator[Plan]:
+    """Every layout the pre-launch check's rules accept (module docstring)."""
+    shape = get_flavor(flavor)
+    for pp, tp, cp in itertools.product(_divisors(gpus), (1, 2, 4, 8), (1, 2, 4)):
+        if tp > gpus_per_node or gpus % (pp * tp * cp) or pp > shape.n_layers:
+            continue
+        rest = gpus // (pp * tp * cp)
+        for dp_replicate in _divisors(rest):
+            dp_shard = rest // dp_replicate
+            dp = dp_replicate * dp_shard
+            if global_batch % dp:
+                continue
+            local = global_batch // dp
+            for ep in _divisors(dp_shard * cp):
+                if shape.moe.num_experts % ep:
+                    continue
+                try:
+                    layout = Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=PipelinePlan(pp=pp))
+                    layout.check_shapes(seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
+                except ConfigError:
+                    continue
+                yield from _batch_shapes(pp, dp_replicate, dp_shard, cp, tp, ep, gpus, local, seq_len, shape)
+
+
+def _batch_shapes(pp, dp_replicate, dp_shard, cp, tp, ep, gpus, local, seq_len, shape) -> Iterator[Plan]:
+    """The schedules, micro-batches and activation checkpointing of one set of degrees."""
+    for ac in ("none", "full"):
+        if pp == 1:
+            for rows in (1, 2, 4, 8):
+                if local % rows == 0:
+                    yield Plan(gpus, 1, dp_replicate, dp_shard, cp, tp, ep, "", 1, 1, rows, local // rows, seq_len, ac)
+            continue
+        for schedule, per_rank in SCHEDULES:
+            stages = pp * per_rank
+            for fill in (1, 2, 4):
+                micro = stages * fill
+                pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank, pp_microbatches=micro)
+                if local % micro or pipeline.problems():
+                    continue
+                try:
+                    Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=pipeline).check_stages(
+                        shape.n_layers, shape.mtp_depth
+                    )
+                except ConfigError:
+                    continue
+                yield Plan(gpus, pp, dp_replicate, dp_shard, cp, tp, ep, schedule, per_rank, micro, local, 1, seq_len, ac)
+
+
+def _split_string(args, plan: Plan, costs: PipelineCosts) -> str:
+    """The trainer's cost-balanced split as a ``pp_layout`` string, so that the estimator need not
+    search it again for every layout of the same pipeline shape."""
+    n_stages = plan.pp * plan.stages_per_rank
+    specs = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank).split(args.n_layers, args.mtp_depth, costs)
+    parts = [f"t*{len(s.layers)}" for s in specs]
+    return "|".join(["E" + parts[0], *parts[1:-1], parts[-1] + "L"] if n_stages > 1 else ["E" + parts[0] + "L"])
+
+
+def plan_layouts(
+    flavor: str, gpus: int, gpu_memory_gib: float, gpus_per_node: int, seq_len: int, global_batch: int,
+    hardware: Hardware,
+) -> tuple[list[Ranked], int]:
+    """The layouts that fit, fastest first, and how many valid layouts were considered."""
+    args = get_flavor(flavor)
+    costs = PipelineCosts(**stage_unit_costs(args, seq_len))
+    splits: dict[tuple, str] = {}
+    ranked, considered = [], 0
+    for plan in candidates(flavor, gpus, gpus_per_node, seq_len, global_batch):
+        considered += 1
+        pipeline = None
+        if plan.pp > 1:
+            key = (plan.pp, plan.schedule, plan.stages_per_rank)
+            if key not in splits:
+                splits[key] = _split_string(args, plan, costs)
+            pipeline = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank, plan.microbatches, splits[key])
+        memory = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
+                          stage_costs=costs, pipeline=pipeline)["gib"]["total"]
+        if memory + RESERVE_GIB > gpu_memory_gib:
+            continue
+        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware)))
+    ranked.sort(key=lambda r: r.time["seconds"])
+    return ranked, considered
+
+
+def check_flags(flavor: str, ranked: Ranked, config_file: str | None = None) -> None:
+    """The printed flags through the config loader and the pre-launch check (ConfigError if not)."""
+    argv = (["--job.config_file", config_file] if config_file else []) + ["--model.flavor", flavor, *ranked.flags()]
+    cfg = load_config(argv)
+    layout = Layout.from_job(cfg, ranked.plan.gpus)
+    check_model_fit(cfg, layout)
+    layout.check_batch(cfg.training.local_batch_size, cfg.training.global_batch_size)
+
+
+def find(ranked: list[Ranked], **degrees) -> tuple[int, Ranked] | None:
+    """The best-ranked layout (1-based rank) whose plan has these field values."""
+    for i, r in enumerate(ranked, 1):
+        if all(getattr(r.plan, k) == v for k, v in degrees.items()):
+            return i, r
+    return None
