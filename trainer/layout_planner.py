@@ -23,7 +23,7 @@ from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, load_config
 from trainer.config.check import check_model_fit
-from trainer.config.layout import Layout
+from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.memory import estimate
 from trainer.step_time import Hardware, Plan, step_time
@@ -63,24 +63,20 @@ class Ranked:
         return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(flavor: str, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int) -> Iterator[Plan]:
     """Every layout the pre-launch check's rules accept (module docstring)."""
     shape = get_flavor(flavor)
-    for pp, tp, cp in itertools.product(_divisors(gpus), (1, 2, 4, 8), (1, 2, 4)):
+    for pp, tp, cp in itertools.product(divisors(gpus), (1, 2, 4, 8), (1, 2, 4)):
         if tp > gpus_per_node or gpus % (pp * tp * cp) or pp > shape.n_layers:
             continue
         rest = gpus // (pp * tp * cp)
-        for dp_replicate in _divisors(rest):
+        for dp_replicate in divisors(rest):
             dp_shard = rest // dp_replicate
             dp = dp_replicate * dp_shard
             if global_batch % dp:
                 continue
             local = global_batch // dp
-            for ep in _divisors(dp_shard * cp):
+            for ep in divisors(dp_shard * cp):
                 if shape.moe.num_experts % ep:
                     continue
                 try:

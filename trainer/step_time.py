@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
+from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
     stage_dense = dense / p.pp / p.tp
     stage_experts = experts / p.pp / p.ep
     gathers = (2 if p.ac == "none" else 3) * p.accumulation  # forward, backward (and the recompute's)
-    if p.pp > 1 and p.schedule in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
+    if p.pp > 1 and p.schedule in ZERO_BUBBLE_SCHEDULES:
         gathers = 1  # the zero-bubble stages stay unsharded through the step
     fsdp = gathers * (_ring_seconds(stage_dense * 2, p.dp_shard * p.cp, span_fsdp, hw)
                       + _ring_seconds(stage_experts * 2, efsdp, span_efsdp, hw))

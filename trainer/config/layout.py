@@ -21,7 +21,7 @@ class LayoutError(ConfigError):
     """Degrees that do not fit the world size or the model (found before any process-group work)."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -80,7 +80,7 @@ class Layout:
         if w % self.pp:
             raise LayoutError(
                 f"parallelism.pp = {self.pp} does not divide the world size {w} (NNODES x NGPU): every pipeline "
-                f"stage needs the same ranks; pick pp in {_divisors(w)}"
+                f"stage needs the same ranks; pick pp in {divisors(w)}"
             )
         others = self.pp * self.dp_replicate * self.cp * self.tp
         # pp is named only when it is on, so a run without pipelining reads the familiar product.
@@ -90,7 +90,7 @@ class Layout:
                 raise LayoutError(
                     f"cannot infer parallelism.dp_shard: {pp_name}dp_replicate x cp x tp = {pp_value}{self.dp_replicate} x "
                     f"{self.cp} x {self.tp} = {others} does not divide the world size {w} (NNODES x NGPU); pick "
-                    f"parallelism degrees whose product divides {w} (divisors: {_divisors(w)})"
+                    f"parallelism degrees whose product divides {w} (divisors: {divisors(w)})"
                 )
             self.dp_shard = w // others
         product = others * self.dp_shard
@@ -105,7 +105,7 @@ class Layout:
         if self.ep > 1 and block % self.ep:
             raise LayoutError(
                 f"parallelism.ep = {self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = {block} "
-                f"(expert parallelism borrows those ranks); pick ep in {_divisors(block)}"
+                f"(expert parallelism borrows those ranks); pick ep in {divisors(block)}"
             )
 
     def _validate_engram(self) -> None:
@@ -121,7 +121,7 @@ class Layout:
         if self.engram < 1 or tokens % self.engram:
             raise LayoutError(
                 f"engram.embedding_parallel_degree = {self.engram} must divide {where}; pick one of "
-                f"{_divisors(tokens)}, or -1 for all {tokens}"
+                f"{divisors(tokens)}, or -1 for all {tokens}"
             )
 
     def _validate_pipeline(self) -> None:
@@ -140,7 +140,7 @@ class Layout:
             raise LayoutError(
                 f"parallelism.pp_microbatches = {micro} must divide training.local_batch_size = "
                 f"{local_batch_size} (each local batch is one pipeline run); pick pp_microbatches in "
-                f"{[d for d in _divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
+                f"{[d for d in divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
             )
         per_step = local_batch_size * self.dp_degree
         if global_batch_size == -1:
@@ -186,7 +186,7 @@ class Layout:
             if value is not None and value % degree:
                 problems.append(
                     f"{name} = {degree} must divide the model's {key} = {value}; "
-                    f"pick {name} in {[d for d in _divisors(value) if d <= 64]}"
+                    f"pick {name} in {[d for d in divisors(value) if d <= 64]}"
                 )
         if problems:
             raise LayoutError("; ".join(problems))
