@@ -51,16 +51,16 @@ from models.moe import MoE
 from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
 from models.moe.router import count_tokens_per_expert
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
-from trainer.parallel.fsdp import gathered_through_step
+from trainer.parallel.fsdp import ManualReduction, gathered_through_step
 from trainer.parallel.step import MicroBatch, ParallelStep
 
 
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+def detached_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     """A node's input: cut from the producing node's graph, gradient kept here."""
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
-def _backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
+def node_backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
     """Autograd from a node's outputs with their gradients; the gradients of its input leaves."""
     pairs = [
         (out, grad) for out, grad in zip(outputs, grads, strict=True)
@@ -119,7 +119,7 @@ class MoELayerNodes:
     def attention(self, x: torch.Tensor) -> None:
         block, moe = self.block, self.moe
         with record_function("moe_overlap.attention.forward"), self.autocast():
-            self.x = _leaf(x)
+            self.x = detached_leaf(x)
             h = self.x + block.attn(block.attn_norm(self.x), *self.rope)
             ffn_in = block.ffn_norm(h)
             self.shape = ffn_in.shape
@@ -160,7 +160,7 @@ class MoELayerNodes:
         h, _, shared, top_scores, _ = self.attn_out
         back = self.combined.result()
         with record_function("moe_overlap.post.forward"), self.autocast():
-            self.post_in = (back.requires_grad_(self.back_rows.requires_grad), _leaf(h), _leaf(shared), _leaf(top_scores))
+            self.post_in = (back.requires_grad_(self.back_rows.requires_grad), detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores))
             back, h, shared, top_scores = self.post_in
             out = gate_weighted_sum(unpermute(back, self.ctx.send), top_scores)
             if shared is not None:
@@ -172,7 +172,7 @@ class MoELayerNodes:
     # Backward, in reverse; ``aux_grad`` is the gradient of the block's balance loss (from the head).
     def post_backward(self, grad_y: torch.Tensor, aux_grad: torch.Tensor | None) -> None:
         with record_function("moe_overlap.post.backward"):
-            self.post_grads = _backward([self.y], [grad_y], self.post_in)
+            self.post_grads = node_backward([self.y], [grad_y], self.post_in)
         self.aux_grad = aux_grad
         self.y = self.post_in = None
 
@@ -184,7 +184,7 @@ class MoELayerNodes:
     def experts_backward(self) -> None:
         grad_back = self.combined.result()
         with record_function("moe_overlap.experts.backward"):
-            (self.grad_recv,) = _backward([self.back_rows], [grad_back], [self.recv_rows])
+            (self.grad_recv,) = node_backward([self.back_rows], [grad_back], [self.recv_rows])
         self.combined = self.back_rows = self.recv_rows = None
 
     def dispatch_backward(self) -> None:
@@ -197,12 +197,90 @@ class MoELayerNodes:
         grad_send = self.dispatched.result()
         _, grad_h, grad_shared, grad_top = self.post_grads
         with record_function("moe_overlap.attention.backward"):
-            (grad_x,) = _backward(self.attn_out, [grad_h, grad_send, grad_shared, grad_top, self.aux_grad], [self.x])
+            (grad_x,) = node_backward(self.attn_out, [grad_h, grad_send, grad_shared, grad_top, self.aux_grad], [self.x])
         self.dispatched = self.attn_out = self.post_grads = self.x = None
         return grad_x
 
 
-class MicroBatchNodes:
+def check_overlap_blocks(blocks: Sequence) -> None:
+    """Refuses blocks the node schedule cannot run (``ValueError``): MoE blocks before dense ones,
+    MoE without the all-to-all dispatcher, Engram blocks."""
+    moe = [block.moe_enabled for block in blocks]
+    if not any(moe) or moe.index(True) + sum(moe) != len(blocks):
+        raise ValueError("moe_overlap needs the MoE blocks to follow the dense ones, with at least one MoE block")
+    for block in blocks:
+        if block.moe_enabled and not isinstance(block.ffn.dispatcher, AllToAllTokenDispatcher):
+            raise ValueError("moe_overlap needs expert parallelism (the all-to-all dispatcher): set parallelism.ep > 1")
+        if getattr(block, "engram", None) is not None:
+            raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
+
+
+class NodeRun:
+    """One micro-batch through a run of blocks: a "pre" part (what comes before the MoE blocks: the
+    embedding, the dense blocks), the MoE blocks as ``MoELayerNodes`` and a "head" part (what comes
+    after them), each part with detached inputs. Subclasses give the two parts: the whole model
+    with its loss (``MicroBatchNodes``, the step without PP) or one pipeline stage
+    (trainer/parallel/pipeline_overlap.py). ``forward_pre`` sets ``h0`` (the first MoE block's
+    input) and ``layers``; ``backward_head`` sets ``grad`` (the last MoE block's output gradient)
+    and ``aux_grads`` (each MoE block's balance-loss gradient)."""
+
+    lane: ExchangeLane
+    reduction: ManualReduction
+
+    def forward_pre(self) -> None:
+        raise NotImplementedError
+
+    def forward_head(self):
+        raise NotImplementedError
+
+    def backward_head(self) -> None:
+        raise NotImplementedError
+
+    def backward_pre(self) -> None:
+        raise NotImplementedError
+
+    def forward_layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """MoE block ``index`` alone; its output."""
+        layer = self.layers[index]
+        layer.attention(x)
+        layer.dispatch()
+        layer.experts()
+        layer.combine()
+        return layer.post()
+
+    def forward_alone(self):
+        self.forward_pre()
+        x = self.h0
+        for j in range(len(self.layers)):
+            x = self.forward_layer(j, x)
+        return self.forward_head()
+
+    def backward_layer_end(self, layer: MoELayerNodes) -> None:
+        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
+        self.grad = layer.attention_backward()
+        self.reduction.unit_done(layer.block)
+
+    def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
+        layer = self.layers[layer_index]
+        layer.post_backward(self.grad, self.aux_grads[layer_index])
+        layer.combine_backward()
+        return layer
+
+    def backward_layer(self, index: int) -> None:
+        """MoE block ``index``'s backward alone."""
+        layer = self.backward_layer_start(index)
+        layer.experts_backward()
+        layer.dispatch_backward()
+        self.backward_layer_end(layer)
+
+    def backward_alone(self) -> None:
+        self.backward_head()
+        for i in reversed(range(len(self.layers))):
+            self.backward_layer(i)
+        self.backward_pre()
+
+
+class MicroBatchNodes(NodeRun):
     """One micro-batch through the model: the embedding and dense blocks, the MoE blocks as
     ``MoELayerNodes``, the head with the loss; ``objective`` and ``aux_scale`` as in
     ``ParallelStep.forward_backward``."""
@@ -235,8 +313,8 @@ class MicroBatchNodes:
         """The loss; returns its cross-entropy and MTP terms (detached)."""
         self.lane.drain()  # MTP's MoE exchanges synchronously
         with record_function("moe_overlap.head.forward"), self.autocast():
-            self.head_in = [_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
-            self.head_in += [_leaf(layer.attn_out[4]) for layer in self.layers]
+            self.head_in = [detached_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
+            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
             h, *rest = self.head_in
             mtp_embeds, auxes = rest[: len(self.mtp_embeds)], rest[len(self.mtp_embeds) :]
             # The balance losses summed in the order of DeepSeekV3Model.forward_blocks.
@@ -248,61 +326,34 @@ class MicroBatchNodes:
             self.loss, ce, mtp = self.objective(out, self.mb.targets, self.aux_scale)
         return ce.detach(), mtp.detach()
 
-    def forward_alone(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.forward_pre()
-        x = self.h0
-        for layer in self.layers:
-            layer.attention(x)
-            layer.dispatch()
-            layer.experts()
-            layer.combine()
-            x = layer.post()
-        return self.forward_head()
-
     # Backward.
     def backward_head(self) -> None:
+        self.lane.drain()  # MTP's MoE backward exchanges synchronously
         with record_function("moe_overlap.head.backward"):
-            grads = _backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
+            grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
         depths = len(self.mtp_embeds)
         self.grad, self.mtp_grads, self.aux_grads = grads[0], grads[1 : 1 + depths], grads[1 + depths :]
         self.loss = self.head_in = None
 
-    def backward_layer_end(self, layer: MoELayerNodes) -> None:
-        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
-        self.grad = layer.attention_backward()
-        self.reduction.unit_done(layer.block)
-
-    def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
-        layer = self.layers[layer_index]
-        layer.post_backward(self.grad, self.aux_grads[layer_index])
-        layer.combine_backward()
-        return layer
-
     def backward_pre(self) -> None:
         with record_function("moe_overlap.pre.backward"):
-            _backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
+            node_backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
         self.h0 = self.aux0 = self.grad = self.layers = self.mtp_embeds = self.mtp_grads = None
 
-    def backward_alone(self) -> None:
-        self.backward_head()
-        for i in reversed(range(len(self.layers))):
-            layer = self.backward_layer_start(i)
-            layer.experts_backward()
-            layer.dispatch_backward()
-            self.backward_layer_end(layer)
-        self.backward_pre()
 
-
-def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Tensor]:
-    """``b``'s backward beside ``f``'s forward, MoE layer by MoE layer (module doc); returns
-    ``f``'s loss terms. The same order on every rank: it depends only on the layer counts."""
+def pair(b: NodeRun, f: NodeRun):
+    """``b``'s backward beside ``f``'s forward, MoE layer by MoE layer (module doc), over their
+    common number of MoE layers; the rest of the longer one's layers run alone after. Returns
+    ``f.forward_head()``'s result. The same order on every rank: it depends only on the layer
+    counts."""
     f.forward_pre()
     b.backward_head()
-    num_layers = len(f.layers)
+    nf, nb = len(f.layers), len(b.layers)
+    common = min(nf, nb)
     x = f.h0
-    for j in range(num_layers):
+    for j in range(common):
         fl = f.layers[j]
-        bl = b.backward_layer_start(num_layers - 1 - j)  # post backward, combine backward starts
+        bl = b.backward_layer_start(nb - 1 - j)  # post backward, combine backward starts
         if j > 0:
             x = f.layers[j - 1].post()
         fl.attention(x)  # beside the combine backward
@@ -312,10 +363,15 @@ def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Te
         fl.experts()  # beside the dispatch backward
         fl.combine()
         b.backward_layer_end(bl)  # beside the combine forward
-    f.layers[-1].post()
-    terms = f.forward_head()
+    if common:
+        x = f.layers[common - 1].post()
+    for j in range(common, nf):
+        x = f.forward_layer(j, x)
+    for i in reversed(range(nb - common)):
+        b.backward_layer(i)
+    out = f.forward_head()
     b.backward_pre()
-    return terms
+    return out
 
 
 class MoEOverlapStep(ParallelStep):
@@ -328,15 +384,7 @@ class MoEOverlapStep(ParallelStep):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        blocks = list(self.model.layers.values())
-        moe = [block.moe_enabled for block in blocks]
-        if not any(moe) or moe.index(True) + sum(moe) != len(blocks):
-            raise ValueError("moe_overlap needs the MoE blocks to follow the dense ones, with at least one MoE block")
-        for block in blocks:
-            if block.moe_enabled and not isinstance(block.ffn.dispatcher, AllToAllTokenDispatcher):
-                raise ValueError("moe_overlap needs expert parallelism (the all-to-all dispatcher): set parallelism.ep > 1")
-            if getattr(block, "engram", None) is not None:
-                raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
+        check_overlap_blocks(list(self.model.layers.values()))
 
     def forward_backward(self, micro: list[MicroBatch], objective: Callable, autocast: Callable) -> tuple:
         device = micro[0].labels.device

@@ -46,6 +46,7 @@ from trainer.parallel.fsdp import reshards_after_forward
 from trainer.parallel.grad_norm import clip_coefficient
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule
+from trainer.parallel.pipeline_overlap import OverlapRuntime
 from trainer.parallel.step import MicroBatch, ParallelStep, Targets
 from trainer.parallel.tensor_parallel import replicated_value
 
@@ -105,9 +106,12 @@ class PipelineStep(ParallelStep):
         dims: ParallelDims,
         stages: list[StageModule],
         activation: tuple[tuple[int, ...], torch.dtype],
+        moe_overlap: bool = False,
         **kwargs,
     ):
         super().__init__(model, dims, pp=dims.mesh("pp"), **kwargs)
+        self.moe_overlap = moe_overlap
+        self.overlap: OverlapRuntime | None = None
         self.stages = stages
         self.pp_mesh = dims.mesh("pp")
         self.activation_shape, self.activation_dtype = activation
@@ -166,6 +170,8 @@ class PipelineStep(ParallelStep):
                 )
             if not train and plan.zero_bubble:
                 _forward_only(schedule, plan.pp_microbatches)
+            if train and self.moe_overlap:
+                self.overlap = OverlapRuntime(schedule, self.stages)
             self._schedules[train] = schedule
         return self._schedules[train]
 
@@ -193,6 +199,8 @@ class PipelineStep(ParallelStep):
         schedule = self.schedule(mb.inputs.device, train)
         args = (mb.inputs,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
+        if train and self.overlap is not None:
+            self.overlap.loss_args = (loss_kwargs or {},) if _LOSS_KWARGS else ()
         _run_schedule(schedule, train, args, kwargs, target, losses, loss_kwargs or {})
         return losses
 
