@@ -6,14 +6,15 @@ DualPipeV on one of 4 ranks in ``pp 2 x dp_shard 2 x ep 2`` (``run_dualpipev``);
 
 From the same initial state (weights, MoE buffers, optimizer, LR schedule) each step object trains
 two steps on the same batches; each rank reports both runs' per-step losses and the names of the
-local gradients after step 1 (before clipping) that differ, then one more overlapped step's collective sequence (the
-profiler's c10d ops with their shapes, an all-to-all's row counts left out, in issue order) and its host reads.
+local gradients after step 1 (before clipping) that differ, and the overlapped run's step 2 collective sequence (the
+profiler's c10d ops with their shapes, an all-to-all's row counts left out, in issue order) and host reads.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -41,8 +42,9 @@ def _restore(trainer, state: dict) -> None:
     trainer.lr_scheduler.load_state_dict(copy.deepcopy(state["lr"]))
 
 
-def _train(trainer, step_object, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Two steps with ``step_object``: the losses and the gradients right after step 1's backward."""
+def _train(trainer, step_object, batches, last_step=nullcontext) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two steps with ``step_object``, the last inside ``last_step()``: the losses and the
+    gradients right after step 1's backward."""
     trainer.parallel = step_object
     grads = {}
     forward_backward = step_object.forward_backward
@@ -57,21 +59,26 @@ def _train(trainer, step_object, batches) -> tuple[list[float], dict[str, torch.
     losses = []
     for step in range(1, STEPS + 1):
         trainer.step = step
-        losses.append(trainer.train_step(batches[step - 1])["loss"])
+        with last_step() if step == STEPS else nullcontext():
+            losses.append(trainer.train_step(batches[step - 1])["loss"])
     del step_object.forward_backward
     return losses, grads
 
 
-def _collectives(trainer, batches) -> tuple[list[str], int]:
+@contextmanager
+def _collectives():
+    """Records the collectives (``ops``) and the host reads (``reads``) of what runs inside."""
     from torch.profiler import ProfilerActivity, profile
 
     from trainer.diagnostics import HostReadCounter
 
+    seen = {}
     reads = HostReadCounter("cpu")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, reads:
-        trainer.train_step(batches)
+        yield seen
     events = sorted((e for e in prof.events() if e.name.startswith("c10d::")), key=lambda e: e.time_range.start)
-    return [_collective(e.name, e.input_shapes) for e in events], len(reads.reads)
+    seen["ops"] = [_collective(e.name, e.input_shapes) for e in events]
+    seen["reads"] = len(reads.reads)
 
 
 def _collective(name: str, shapes: list) -> str:
@@ -83,14 +90,21 @@ def _collective(name: str, shapes: list) -> str:
 
 
 def _compare(trainer, plain, overlap) -> dict:
-    """Both step objects' two steps from the same state, then one more overlapped step's
-    collectives and host reads."""
-    batches = [trainer.next_microbatches()[0] for _ in range(STEPS + 1)]
+    """Both step objects' two steps from the same state, with the collectives and host reads of
+    the second overlapped step (the first creates the optimizer state)."""
+    batches = [trainer.next_microbatches()[0] for _ in range(STEPS)]
     start = _state(trainer)
     plain_losses, plain_grads = _train(trainer, plain, batches)
     _restore(trainer, start)
-    overlap_losses, overlap_grads = _train(trainer, overlap, batches)
-    ops, reads = _collectives(trainer, batches[STEPS])
+    recorded = {}
+
+    @contextmanager
+    def recording():
+        with _collectives() as seen:
+            yield
+        recorded.update(seen)
+
+    overlap_losses, overlap_grads = _train(trainer, overlap, batches, recording)
     return {
         "micro_batches": trainer.grad_accum_steps,
         "plain_losses": plain_losses,
@@ -99,8 +113,8 @@ def _compare(trainer, plain, overlap) -> dict:
         "grads": sorted(plain_grads),
         "grads_differing": sorted(n for n in plain_grads if not torch.equal(plain_grads[n], overlap_grads[n])),
         "same_grad_names": plain_grads.keys() == overlap_grads.keys(),
-        "collectives": ops,
-        "host_reads": reads,
+        "collectives": recorded["ops"],
+        "host_reads": recorded["reads"],
     }
 
 
@@ -135,7 +149,7 @@ def run_dualpipev(rank: int, world: int, port: int, workdir: str, queue) -> None
     """DualPipeV over 4 stages split ``Et*2|t*2|t|tL``: every stage holds MoE blocks (the cost
     split would leave stage 0 the dense block alone, and rank 0 no pair to interleave), and rank
     1's stages hold 2 and 1 (a pair's common layer, then the longer one's rest alone). 4 pipeline
-    micro-batches of one row, 2 accumulated schedule runs per step."""
+    micro-batches of one row, one schedule run per step."""
     _init(rank, world, port)
     from tests.helpers import step_trainer
     from trainer.parallel import pipeline_overlap
@@ -149,7 +163,7 @@ def run_dualpipev(rank: int, world: int, port: int, workdir: str, queue) -> None
     trainer = step_trainer(
         Path(workdir), "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_layout",
         "Et*2|t*2|t|tL", "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.device", "cpu",
-        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "16",
+        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
         "--training.deterministic",
     )
     try:
