@@ -174,38 +174,10 @@ class OverlapRuntime:
         self._forward_finish(stage, mb, nodes.forward_alone(), ctx, nodes)
 
     def full_backward(self, action: _Action, ctx=None) -> None:
-        stage, mb = self._backward_start(action)
-        last_backward = self._count_backward(stage)
-        nodes = None
-        if action.stage_index not in self.node_form:
-            stage.backward_one_chunk(
-                mb, loss=self.schedule._maybe_get_loss(stage, mb), full_backward=True, last_backward=last_backward
-            )
-        else:
-            nodes = self._backward_nodes(stage, mb)
-            nodes.backward_alone()
-            self._node_backward_finish(stage)
-        self._backward_finish(stage, mb, nodes)
+        self._backward(action, full=True)
 
     def backward_input(self, action: _Action, ctx=None) -> None:
-        stage, mb = self._backward_start(action)
-        nodes = None
-        if action.stage_index not in self.node_form:
-            stage.backward_one_chunk(
-                mb, loss=self.schedule._maybe_get_loss(stage, mb), full_backward=False, last_backward=False
-            )
-        else:
-            nodes = self._backward_nodes(stage, mb)
-            # The weight gradients computed now are set aside for the weight pass (module doc).
-            params = list(stage.submod.parameters())
-            kept = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            nodes.backward_alone()
-            self.weight_grads[(stage.stage_index, mb)] = [(p, p.grad) for p in params]
-            for p, grad in zip(params, kept, strict=True):
-                p.grad = grad
-        self._backward_finish(stage, mb, nodes)
+        self._backward(action, full=False)
 
     def backward_weight(self, action: _Action, ctx=None) -> None:
         stage, mb = self.stages[action.stage_index], action.microbatch_index
@@ -241,6 +213,31 @@ class OverlapRuntime:
         self._forward_finish(f_stage, f_mb, output, ctx, f_nodes)
         self._node_backward_finish(b_stage)
         self._backward_finish(b_stage, b_mb, b_nodes)
+
+    def _backward(self, action: _Action, full: bool) -> None:
+        """A full backward, or an input pass (``full`` False) whose weight pass comes later."""
+        stage, mb = self._backward_start(action)
+        last_backward = self._count_backward(stage) if full else False
+        if action.stage_index not in self.node_form:
+            loss = self.schedule._maybe_get_loss(stage, mb)
+            stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
+            self._backward_finish(stage, mb)
+            return
+        nodes = self._backward_nodes(stage, mb)
+        if full:
+            nodes.backward_alone()
+            self._node_backward_finish(stage)
+        else:
+            # The weight gradients computed now are set aside for the weight pass (module doc).
+            params = list(stage.submod.parameters())
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            nodes.backward_alone()
+            self.weight_grads[(stage.stage_index, mb)] = [(p, p.grad) for p in params]
+            for p, grad in zip(params, kept, strict=True):
+                p.grad = grad
+        self._backward_finish(stage, mb, nodes)
 
     # ------------------------------------------------------------------ the runtime's bookkeeping
     def _forward_start(self, action: _Action):
