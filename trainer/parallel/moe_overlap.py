@@ -51,7 +51,7 @@ from models.moe import MoE
 from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
 from models.moe.router import count_tokens_per_expert
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
-from trainer.parallel.fsdp import ManualReduction, gathered_through_step
+from trainer.parallel.fsdp import ManualReduction, cast_forward_inputs, gathered_through_step
 from trainer.parallel.step import MicroBatch, ParallelStep
 
 
@@ -120,7 +120,8 @@ class MoELayerNodes:
         block, moe = self.block, self.moe
         with record_function("moe_overlap.attention.forward"), self.autocast():
             self.x = detached_leaf(x)
-            h = self.x + block.attn(block.attn_norm(self.x), *self.rope)
+            x, *rope = cast_forward_inputs(block, self.x, *self.rope)
+            h = x + block.attn(block.attn_norm(x), *rope)
             ffn_in = block.ffn_norm(h)
             self.shape = ffn_in.shape
             tokens = ffn_in.reshape(-1, self.shape[-1])
