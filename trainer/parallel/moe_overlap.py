@@ -23,6 +23,12 @@ every exchange has a compute node of the other micro-batch beside it:
     dispatch backward  <->  experts forward
     combine forward    <->  attention backward (and the next layer's post backward)
 
+Two schedules pair micro-batches so: ``MoEOverlapStep`` below, the accumulated micro-batches of a
+step without PP, and DualPipeV's ``OVERLAP_F_B`` actions, one pipeline stage's forward beside
+another's backward (trainer/parallel/pipeline_overlap.py, ``StageNodes``), where the two runs
+may hold different numbers of MoE blocks: ``pair`` interleaves their common number and runs the
+longer one's rest alone.
+
 The embedding, the dense blocks and the head (with MTP, whose MoE exchanges synchronously) run
 outside the interleave. The model stays single-device: the nodes call the block's own modules
 (``attn_norm``, ``attn``, ``ffn_norm`` and the MoE's ``gate``, ``experts``, ``shared_experts``)
@@ -41,6 +47,7 @@ the cost of a second communicator per ep group and an order argument across two 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
@@ -161,7 +168,10 @@ class MoELayerNodes:
         h, _, shared, top_scores, _ = self.attn_out
         back = self.combined.result()
         with record_function("moe_overlap.post.forward"), self.autocast():
-            self.post_in = (back.requires_grad_(self.back_rows.requires_grad), detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores))
+            self.post_in = (
+                back.requires_grad_(self.back_rows.requires_grad),
+                detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores),
+            )
             back, h, shared, top_scores = self.post_in
             out = gate_weighted_sum(unpermute(back, self.ctx.send), top_scores)
             if shared is not None:
@@ -216,29 +226,33 @@ def check_overlap_blocks(blocks: Sequence) -> None:
             raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
 
 
-class NodeRun:
+class NodeRun(ABC):
     """One micro-batch through a run of blocks: a "pre" part (what comes before the MoE blocks: the
-    embedding, the dense blocks), the MoE blocks as ``MoELayerNodes`` and a "head" part (what comes
-    after them), each part with detached inputs. Subclasses give the two parts: the whole model
-    with its loss (``MicroBatchNodes``, the step without PP) or one pipeline stage
-    (trainer/parallel/pipeline_overlap.py). ``forward_pre`` sets ``h0`` (the first MoE block's
-    input) and ``layers``; ``backward_head`` sets ``grad`` (the last MoE block's output gradient)
-    and ``aux_grads`` (each MoE block's balance-loss gradient)."""
+    embedding, the dense blocks), the MoE blocks (``moe_blocks``) as ``MoELayerNodes`` and a "head"
+    part (what comes after them), each part with detached inputs. Subclasses give the two parts:
+    the whole model with its loss (``MicroBatchNodes``, the step without PP) or one pipeline stage
+    (trainer/parallel/pipeline_overlap.py)."""
 
     lane: ExchangeLane
     reduction: ManualReduction
+    moe_blocks: list
 
+    @abstractmethod
     def forward_pre(self) -> None:
-        raise NotImplementedError
+        """Sets ``h0`` (the first MoE block's input) and ``layers`` (the ``MoELayerNodes``)."""
 
+    @abstractmethod
     def forward_head(self):
-        raise NotImplementedError
+        """Runs after the last MoE block's ``post``; what it returns, ``pair`` returns."""
 
+    @abstractmethod
     def backward_head(self) -> None:
-        raise NotImplementedError
+        """Sets ``grad`` (the last MoE block's output gradient) and ``aux_grads`` (each MoE
+        block's balance-loss gradient)."""
 
+    @abstractmethod
     def backward_pre(self) -> None:
-        raise NotImplementedError
+        """The pre part's backward from ``grad`` (the first MoE block's input gradient)."""
 
     def forward_layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """MoE block ``index`` alone; its output."""

@@ -18,6 +18,11 @@ each micro-batch's gradient at the point of the schedule where torch's weight pa
 same order (fp32 sums are order-sensitive: the overlap on and off agree bit for bit,
 tests/distributed/test_moe_overlap.py).
 
+Collective order: the ranks of one ep group hold the same stages (``ep`` borrows from
+``dp_shard``, inside one pp rank) and run the same action list, so the pairs' exchanges keep the
+step without PP's argument (one in flight at a time on the ep group, every action ends with none
+in flight); the pipeline's sends and receives are on the pp group.
+
 Private API: a custom function must redo the runtime's bookkeeping (torch 2.13's
 ``_PipelineScheduleRuntime._step_microbatches``, ``_perform_action``): the receive waits (none
 between a rank's two adjacent V stages, which hand over with ``set_local_fwd_input`` /
