@@ -51,6 +51,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 
 from models.deepseek_v3 import ModelOutput
@@ -67,11 +68,19 @@ def detached_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
+def backward_root(t: torch.Tensor) -> GradientEdge | None:
+    """What a node keeps of an output that an exchange sends away, to run its backward from: the
+    output's gradient edge, which unlike the tensor leaves its storage to be freed once sent (as the
+    plain step frees it); None where no gradient flows."""
+    return get_gradient_edge(t) if t.requires_grad else None
+
+
 def node_backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
-    """Autograd from a node's outputs with their gradients; the gradients of its input leaves."""
+    """Autograd from a node's outputs (tensors or ``backward_root`` edges) with their gradients;
+    the gradients of its input leaves."""
     pairs = [
         (out, grad) for out, grad in zip(outputs, grads, strict=True)
-        if out is not None and grad is not None and out.requires_grad
+        if out is not None and grad is not None and (isinstance(out, GradientEdge) or out.requires_grad)
     ]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
@@ -144,24 +153,28 @@ class MoELayerNodes:
             send_rows = permute(tokens, self.ctx.send)
             shared = moe.shared_experts(tokens) if moe.shared_experts is not None else None
             aux = moe._sequence_balance_loss(scores, selected, self.shape[0], self.shape[1])
-        self.attn_out = (h, send_rows, shared, top_scores, aux)
+        self.attn_out = [h, send_rows, shared, top_scores, aux]
 
     def dispatch(self) -> None:
         ctx = self.ctx
-        send_rows = self.attn_out[1].detach()
-        self.dispatched = self.lane.start(self.moe.dispatcher, send_rows, ctx.output_splits, ctx.input_splits)
+        send_rows = self.attn_out[1]
+        self.sends_grad = send_rows.requires_grad
+        self.dispatched = self.lane.start(self.moe.dispatcher, send_rows.detach(), ctx.output_splits, ctx.input_splits)
+        self.attn_out[1] = backward_root(send_rows)
 
     def experts(self) -> None:
         recv_rows = self.dispatched.result()
         with record_function("moe_overlap.experts.forward"), self.autocast():
-            self.recv_rows = recv_rows.requires_grad_(self.attn_out[1].requires_grad)
+            self.recv_rows = recv_rows.requires_grad_(self.sends_grad)
             routed_out = self.moe.experts(permute(self.recv_rows, self.ctx.recv), self.ctx.recv.counts)
             self.back_rows = unpermute(routed_out, self.ctx.recv)
         self.dispatched = None
 
     def combine(self) -> None:
         ctx = self.ctx
-        self.combined = self.lane.start(self.moe.dispatcher, self.back_rows.detach(), ctx.input_splits, ctx.output_splits)
+        back_rows = self.back_rows
+        self.combined = self.lane.start(self.moe.dispatcher, back_rows.detach(), ctx.input_splits, ctx.output_splits)
+        self.back_rows = backward_root(back_rows)
 
     def post(self) -> torch.Tensor:
         """The block's output (the next node's input)."""
@@ -169,7 +182,7 @@ class MoELayerNodes:
         back = self.combined.result()
         with record_function("moe_overlap.post.forward"), self.autocast():
             self.post_in = (
-                back.requires_grad_(self.back_rows.requires_grad),
+                back.requires_grad_(self.back_rows is not None),
                 detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores),
             )
             back, h, shared, top_scores = self.post_in
