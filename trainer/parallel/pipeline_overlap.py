@@ -50,6 +50,7 @@ from torch.distributed.pipelining.schedules import (
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
+    ScheduleDualPipeV,
     _Action,
     _wait_batch_p2p,
 )
@@ -151,6 +152,8 @@ class OverlapRuntime:
     """
 
     def __init__(self, schedule, modules: list[StageModule]):
+        if not isinstance(schedule, ScheduleDualPipeV):
+            raise ValueError(f"moe_overlap with pp needs pp_schedule DualPipeV, got {type(schedule).__name__}")
         self.schedule = schedule
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.node_form = set()

@@ -97,7 +97,8 @@ class PipelineStep(ParallelStep):
     Each accumulation micro-batch of the step is one schedule run over ``pp_microbatches`` chunks
     of its rows. The objective is the same sum-reduced one as without pipelining (the trainer's,
     with the global valid-token counts), computed by the schedule's loss function on the last
-    stage, so torch's ``scale_grads`` stays off.
+    stage, so torch's ``scale_grads`` stays off. With ``moe_overlap`` (DualPipeV) the training
+    schedule runs its ``OVERLAP_F_B`` actions MoE node by MoE node (trainer/parallel/pipeline_overlap.py).
     """
 
     def __init__(
