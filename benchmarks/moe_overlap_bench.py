@@ -15,7 +15,8 @@ the fastest of the rounds is taken (the least disturbed on a shared machine; med
 - ``ratio``: step time with the overlap / without, at the delay;
 - ``hidden_ms``: the delay's cost removed by the overlap, (off(D) - off(0)) - (on(D) - on(0));
 - ``ideal_hidden_ms``: min(D, compute beside the exchange) summed over the exchanges of the pairs
-  (4 per paired MoE layer and pair, (micro-batches - 1) pairs per step), the compute of each being
+  (4 per MoE block interleaved in the step: every MoE block of the (micro-batches - 1) pairs
+  without PP, counted in one step under DualPipeV), the compute of each being
   the mean compute of its node (attention forward, experts backward, experts forward, attention
   backward: span less waits) in the traced overlapped step at the delay;
 - ``hidden_fraction``: hidden_ms / ideal_hidden_ms (issue 31 asks for >= 0.5 at 50 ms);
@@ -31,6 +32,15 @@ the fastest of the rounds is taken (the least disturbed on a shared machine; med
 
 ``--no-delay`` measures the overlap without injection: the step-time ratio only. With
 ``--device cuda`` (2 GPUs, NCCL) that is benchmarks/gpu_check.sh's measurement G.
+
+``--dualpipev``: the same under DualPipeV (trainer/parallel/pipeline_overlap.py) on 4 ranks,
+``pp 2 x dp_shard 2 x ep 2``, stages split ``Et*2|t*2|t|tL`` (MoE blocks in every stage, so
+both ranks pair), one schedule run of ``--micro-batches`` pipeline micro-batches (one row each)
+per step; off is plain DualPipeV. The ideal hidden time counts the MoE blocks each rank actually
+interleaved in a step (a pair's common ones: the ``OVERLAP_F_B`` actions are counted, not
+derived), so ``hidden_fraction`` is per rank.
+
+    python benchmarks/moe_overlap_bench.py --dualpipev [--micro-batches 8] [--delay-ms 50]
 """
 
 from __future__ import annotations
@@ -135,11 +145,11 @@ def _traced_step(trainer, batches, rec: DelayRecorder, path: str) -> tuple[float
     (perf_counter): written as a Chrome trace (chrome://tracing, Perfetto) to ``path``. Returns the
     time (ms) the delays intersect the nodes' compute (their spans less their waits), and each
     node kind's mean compute (ms, its span less its waits)."""
-    from trainer.parallel import moe_overlap
+    from trainer.parallel import moe_overlap, pipeline_overlap
 
     nodes: list = []
     patched = {}
-    for cls in (moe_overlap.MoELayerNodes, moe_overlap.MicroBatchNodes):
+    for cls in (moe_overlap.MoELayerNodes, moe_overlap.MicroBatchNodes, pipeline_overlap.StageNodes):
         for name in ("attention", "experts", "post", "experts_backward", "attention_backward", "post_backward",
                      "forward_pre", "forward_head", "backward_head", "backward_pre"):
             if name in vars(cls):
@@ -212,6 +222,29 @@ def _minus(intervals, holes) -> list[tuple[float, float]]:
     return out
 
 
+def _paired_layers(trainer, step, batches) -> int:
+    """The MoE blocks interleaved in one step of ``step``, summed over its pairs (a pair
+    interleaves the two micro-batches' common number of MoE blocks)."""
+    from trainer.parallel import moe_overlap, pipeline_overlap
+
+    counts = []
+    originals = {module: module.pair for module in (moe_overlap, pipeline_overlap)}
+
+    def counting(b, f, _pair=moe_overlap.pair):
+        counts.append(min(len(b.moe_blocks), len(f.moe_blocks)))
+        return _pair(b, f)
+
+    trainer.parallel = step
+    try:
+        for module in originals:
+            module.pair = counting
+        trainer.train_step(batches)
+    finally:
+        for module, original in originals.items():
+            module.pair = original
+    return sum(counts)
+
+
 def _worker(rank: int, world: int, port: int, a, queue) -> None:
     import os
 
@@ -225,17 +258,25 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
     from trainer.diagnostics import apply_overrides
     from trainer.model_args import build_model_args
     from trainer.parallel.moe_overlap import MoEOverlapStep
+    from trainer.parallel.pipeline_step import PipelineStep
     from trainer.parallel.step import ParallelStep
     from trainer.runtime import resolve_path
     from trainer.train import Trainer
 
     folder = tempfile.mkdtemp()
+    # Without PP: one row per accumulated micro-batch. DualPipeV: one schedule run per step, its
+    # pipeline micro-batches one row each.
+    local_batch = a.micro_batches if a.dualpipev else 1
+    pipeline = [
+        "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_layout", "Et*2|t*2|t|tL",
+        "--parallelism.pp_microbatches", str(a.micro_batches),
+    ] if a.dualpipev else []
     cfg = load_config([
         "--job.config_file", str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"),
         "--job.dump_folder", folder, "--no-job.print_config", "--no-validation.enable",
-        "--model.flavor", a.flavor,
+        "--model.flavor", a.flavor, *pipeline,
         "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.device", a.device,
-        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", "1",
+        "--training.seq_len", str(a.seq_len), "--training.local_batch_size", str(local_batch),
         "--training.global_batch_size", str(2 * a.micro_batches),
         "--training.mixed_precision_param", "bfloat16" if a.dtype == "bf16" else "float32",
         "--training.steps", "1000", "--lr_scheduler.warmup_steps", "1",
@@ -255,11 +296,18 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
         # reshard between micro-batches, as the overlapped step does), so that the two differ only
         # in the schedule: re-gathering units in the plain step would hide behind the delays too.
         dims = trainer.parallel.dims
-        steps = {
-            "off": ParallelStep(trainer.model, dims, keep_weights_between_microbatches=True),
-            "on": MoEOverlapStep(trainer.model, dims),
-        }
+        if a.dualpipev:  # zero-bubble: both keep the stages' units gathered from forward to REDUCE_GRAD
+            plain = trainer.parallel
+            steps = {"off": plain, "on": PipelineStep(
+                trainer.model, dims, plain.stages, (plain.activation_shape, plain.activation_dtype), moe_overlap=True
+            )}
+        else:
+            steps = {
+                "off": ParallelStep(trainer.model, dims, keep_weights_between_microbatches=True),
+                "on": MoEOverlapStep(trainer.model, dims),
+            }
         batches = trainer.next_microbatches()[0]
+        paired = _paired_layers(trainer, steps["on"], batches)
         delays = [0.0] if a.no_delay else [0.0, a.delay_ms / 1e3]
         times: dict[str, dict[str, list[float]]] = {}
         # Every (delay, variant) once per round, so that a change of the machine's load falls on
@@ -277,8 +325,8 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
         result = {
             "rank": rank,
             "moe_layers": len(moes),
-            # The interleaved ones (MTP's MoE block runs outside the pairs).
-            "paired_moe_layers": sum(block.moe_enabled for block in trainer.model.layers.values()),
+            # MoE blocks interleaved in a step, summed over its pairs (MTP's runs outside them).
+            "paired_layers": paired,
             "micro_batches": trainer.grad_accum_steps,
             # The fastest of the rounds: on a shared machine the least disturbed one.
             "step_s": {d: {k: min(v) for k, v in r.items()} for d, r in times.items()},
@@ -302,8 +350,7 @@ def summarize(r: dict, delay_ms: float | None) -> dict:
     if delay_ms is None:
         return out
     d = f"{delay_ms:g}"
-    pairs = r["micro_batches"] - 1
-    ideal = sum(min(delay_ms, r["node_ms"][kind]) for kind in BESIDE) * r["paired_moe_layers"] * pairs
+    ideal = sum(min(delay_ms, r["node_ms"][kind]) for kind in BESIDE) * r["paired_layers"]
     hidden = ((step[d]["off"] - step["0"]["off"]) - (step[d]["on"] - step["0"]["on"])) * 1e3
     out.update({
         "ratio": step[d]["on"] / step[d]["off"],
@@ -321,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--delay-ms", type=float, default=50.0)
     p.add_argument("--no-delay", action="store_true", help="no injection: the overlap's own effect (GPU check)")
-    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="accumulated micro-batches per step; with --dualpipev pipeline micro-batches (>= 4)")
+    p.add_argument("--dualpipev", action="store_true", help="DualPipeV pp 2 x dp_shard 2 x ep 2 on 4 ranks (module doc)")
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -335,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.device == "cuda" and not a.no_delay:
         p.error("the injected delay is a gloo (CPU) measurement: add --no-delay with --device cuda")
-    ranks = sorted(spawn_local(_worker, 2, a, timeout=1800), key=lambda r: r["rank"])
+    ranks = sorted(spawn_local(_worker, 4 if a.dualpipev else 2, a, timeout=1800), key=lambda r: r["rank"])
     delay = None if a.no_delay else a.delay_ms
     result = {"args": vars(a), "ranks": ranks, "summary": [summarize(r, delay) for r in ranks]}
     print(json.dumps(result, indent=1))

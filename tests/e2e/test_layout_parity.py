@@ -89,6 +89,13 @@ LAYOUTS = {
         ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard", "2",
          "--parallelism.ep", "2", "--training.local_batch_size", "4"],
     ),
+    # The same with DualPipeV's OVERLAP_F_B actions interleaved MoE node by MoE node (issue 31): the
+    # cost split leaves stage 0 the dense block alone (torch's path), stages 1-3 run in nodes.
+    "pp_2_dualpipev_fsdp_2_ep_2_moe_overlap": (
+        4,
+        ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard", "2",
+         "--parallelism.ep", "2", "--parallelism.moe_overlap", "--training.local_batch_size", "4"],
+    ),
     "pp_2_zbv_fsdp_2": (
         4, [*_schedule("ZBVZeroBubble"), "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"],
     ),

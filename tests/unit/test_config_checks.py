@@ -122,6 +122,10 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
             2, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--activation_checkpoint.mode", "full"],
             ["never recomputes a block", "--activation_checkpoint.mode none", "drop --parallelism.moe_overlap"],
         ),
+        (
+            4, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--parallelism.pp", "2"],
+            ["moe_overlap with pp needs pp_schedule DualPipeV", "--parallelism.pp_schedule DualPipeV"],
+        ),
         # Read from the flavor table without torch: the debug model has 6 blocks and 4 heads, 671B 256 experts.
         (8, ["--parallelism.pp", "8"], ["8 stages", "only 6 blocks"]),
         (4, ["--parallelism.pp", "4", "--parallelism.pp_stages_per_rank", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],
@@ -159,6 +163,9 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
         for schedule in ("DualPipeV", "ZBVZeroBubble", "InterleavedZeroBubble"):
             argv = ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *flags]
             assert main(["--world-size", "4", *run, *argv]) == 0, argv
+    # The MoE all-to-all overlap inside DualPipeV's OVERLAP_F_B actions (issue 31).
+    overlap = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.ep", "2", "--parallelism.moe_overlap"]
+    assert main(["--world-size", "4", *run, *overlap]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "4", "--parallelism.pp_layout", "Et|t*2|t*2|tL"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.cp", "2"]) == 0
     assert main(["--world-size", "4", *run, "--parallelism.pp", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp"]) == 0

@@ -68,14 +68,19 @@ def combination_problems(cfg: Any) -> list[str]:
 
 
 def _moe_overlap_problems(cfg: Any) -> list[str]:
-    """What ``parallelism.moe_overlap`` (trainer/parallel/moe_overlap.py) does not run: it calls
-    each MoE block's modules node by node, outside a checkpointed or compiled block."""
+    """What ``parallelism.moe_overlap`` (trainer/parallel/moe_overlap.py, with pipelining
+    pipeline_overlap.py) does not run: it calls each MoE block's modules node by node, outside a
+    checkpointed or compiled block."""
     p = cfg.parallelism
     if not p.moe_overlap:
         return []
     refusals = [
         (p.ep <= 1, "overlaps the expert-parallel all-to-all: set --parallelism.ep > 1"),
-        (p.pp > 1, "pairs the micro-batches of a step without pipeline parallelism: use --parallelism.pp 1"),
+        (
+            p.pp > 1 and p.pp_schedule != "DualPipeV",
+            "with pp needs pp_schedule DualPipeV (whose OVERLAP_F_B actions it interleaves): add "
+            "--parallelism.pp_schedule DualPipeV or use --parallelism.pp 1",
+        ),
         (
             cfg.activation_checkpoint.mode != "none",
             "keeps two micro-batches' activations and never recomputes a block: use --activation_checkpoint.mode none",

@@ -354,7 +354,8 @@ class Parallelism(Section):
     )
     moe_overlap: bool = option(
         False,
-        "Hide the EP all-to-all: run micro-batch i's backward beside i+1's forward, MoE node by node (needs ep > 1, pp 1)",
+        "Hide the EP all-to-all: run micro-batch i's backward beside i+1's forward, MoE node by node "
+        "(needs ep > 1; with pp > 1 DualPipeV, whose OVERLAP_F_B actions it interleaves)",
     )
     fsdp_reshard_after_forward: ReshardPolicy = option(
         "default",

@@ -253,6 +253,16 @@ def gathered_through_step(model: nn.Module) -> Iterator[ManualReduction]:
             unit.set_reshard_after_backward(True, recurse=False)
 
 
+def cast_forward_inputs(module: nn.Module, *args):
+    """``args`` as FSDP unit ``module``'s pre-forward hook casts them (mixed precision's
+    ``param_dtype``), for a step that calls the unit's submodules itself (moe_overlap.py): the
+    block's input and its rope table would otherwise stay in fp32. FSDP2 has no public call for it."""
+    if not isinstance(module, FSDPModule):
+        return args
+    cast, _ = module._get_fsdp_state()._cast_forward_inputs(args, {})
+    return cast
+
+
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
     """Whether FSDP frees the gathered weights after the next backward (every unit of ``model``)."""
     if isinstance(model, FSDPModule):

@@ -23,6 +23,12 @@ every exchange has a compute node of the other micro-batch beside it:
     dispatch backward  <->  experts forward
     combine forward    <->  attention backward (and the next layer's post backward)
 
+Two schedules pair micro-batches so: ``MoEOverlapStep`` below, the accumulated micro-batches of a
+step without PP, and DualPipeV's ``OVERLAP_F_B`` actions, one pipeline stage's forward beside
+another's backward (trainer/parallel/pipeline_overlap.py, ``StageNodes``), where the two runs
+may hold different numbers of MoE blocks: ``pair`` interleaves their common number and runs the
+longer one's rest alone.
+
 The embedding, the dense blocks and the head (with MTP, whose MoE exchanges synchronously) run
 outside the interleave. The model stays single-device: the nodes call the block's own modules
 (``attn_norm``, ``attn``, ``ffn_norm`` and the MoE's ``gate``, ``experts``, ``shared_experts``)
@@ -41,9 +47,11 @@ the cost of a second communicator per ep group and an order argument across two 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 
 from models.deepseek_v3 import ModelOutput
@@ -51,20 +59,28 @@ from models.moe import MoE
 from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
 from models.moe.router import count_tokens_per_expert
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
-from trainer.parallel.fsdp import gathered_through_step
+from trainer.parallel.fsdp import ManualReduction, cast_forward_inputs, gathered_through_step
 from trainer.parallel.step import MicroBatch, ParallelStep
 
 
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+def detached_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     """A node's input: cut from the producing node's graph, gradient kept here."""
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
-def _backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
-    """Autograd from a node's outputs with their gradients; the gradients of its input leaves."""
+def backward_root(t: torch.Tensor) -> GradientEdge | None:
+    """What a node keeps of an output that an exchange sends away, to run its backward from: the
+    output's gradient edge, which unlike the tensor leaves its storage to be freed once sent (as the
+    plain step frees it); None where no gradient flows."""
+    return get_gradient_edge(t) if t.requires_grad else None
+
+
+def node_backward(outputs: Sequence, grads: Sequence, inputs: Sequence) -> list[torch.Tensor | None]:
+    """Autograd from a node's outputs (tensors or ``backward_root`` edges) with their gradients;
+    the gradients of its input leaves."""
     pairs = [
         (out, grad) for out, grad in zip(outputs, grads, strict=True)
-        if out is not None and grad is not None and out.requires_grad
+        if out is not None and grad is not None and (isinstance(out, GradientEdge) or out.requires_grad)
     ]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
@@ -119,8 +135,9 @@ class MoELayerNodes:
     def attention(self, x: torch.Tensor) -> None:
         block, moe = self.block, self.moe
         with record_function("moe_overlap.attention.forward"), self.autocast():
-            self.x = _leaf(x)
-            h = self.x + block.attn(block.attn_norm(self.x), *self.rope)
+            self.x = detached_leaf(x)
+            x, *rope = cast_forward_inputs(block, self.x, *self.rope)
+            h = x + block.attn(block.attn_norm(x), *rope)
             ffn_in = block.ffn_norm(h)
             self.shape = ffn_in.shape
             tokens = ffn_in.reshape(-1, self.shape[-1])
@@ -136,31 +153,38 @@ class MoELayerNodes:
             send_rows = permute(tokens, self.ctx.send)
             shared = moe.shared_experts(tokens) if moe.shared_experts is not None else None
             aux = moe._sequence_balance_loss(scores, selected, self.shape[0], self.shape[1])
-        self.attn_out = (h, send_rows, shared, top_scores, aux)
+        self.attn_out = [h, send_rows, shared, top_scores, aux]
 
     def dispatch(self) -> None:
         ctx = self.ctx
-        send_rows = self.attn_out[1].detach()
-        self.dispatched = self.lane.start(self.moe.dispatcher, send_rows, ctx.output_splits, ctx.input_splits)
+        send_rows = self.attn_out[1]
+        self.sends_grad = send_rows.requires_grad
+        self.dispatched = self.lane.start(self.moe.dispatcher, send_rows.detach(), ctx.output_splits, ctx.input_splits)
+        self.attn_out[1] = backward_root(send_rows)
 
     def experts(self) -> None:
         recv_rows = self.dispatched.result()
         with record_function("moe_overlap.experts.forward"), self.autocast():
-            self.recv_rows = recv_rows.requires_grad_(self.attn_out[1].requires_grad)
+            self.recv_rows = recv_rows.requires_grad_(self.sends_grad)
             routed_out = self.moe.experts(permute(self.recv_rows, self.ctx.recv), self.ctx.recv.counts)
             self.back_rows = unpermute(routed_out, self.ctx.recv)
         self.dispatched = None
 
     def combine(self) -> None:
         ctx = self.ctx
-        self.combined = self.lane.start(self.moe.dispatcher, self.back_rows.detach(), ctx.input_splits, ctx.output_splits)
+        back_rows = self.back_rows
+        self.combined = self.lane.start(self.moe.dispatcher, back_rows.detach(), ctx.input_splits, ctx.output_splits)
+        self.back_rows = backward_root(back_rows)
 
     def post(self) -> torch.Tensor:
         """The block's output (the next node's input)."""
         h, _, shared, top_scores, _ = self.attn_out
         back = self.combined.result()
         with record_function("moe_overlap.post.forward"), self.autocast():
-            self.post_in = (back.requires_grad_(self.back_rows.requires_grad), _leaf(h), _leaf(shared), _leaf(top_scores))
+            self.post_in = (
+                back.requires_grad_(self.back_rows is not None),
+                detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores),
+            )
             back, h, shared, top_scores = self.post_in
             out = gate_weighted_sum(unpermute(back, self.ctx.send), top_scores)
             if shared is not None:
@@ -172,7 +196,7 @@ class MoELayerNodes:
     # Backward, in reverse; ``aux_grad`` is the gradient of the block's balance loss (from the head).
     def post_backward(self, grad_y: torch.Tensor, aux_grad: torch.Tensor | None) -> None:
         with record_function("moe_overlap.post.backward"):
-            self.post_grads = _backward([self.y], [grad_y], self.post_in)
+            self.post_grads = node_backward([self.y], [grad_y], self.post_in)
         self.aux_grad = aux_grad
         self.y = self.post_in = None
 
@@ -184,7 +208,7 @@ class MoELayerNodes:
     def experts_backward(self) -> None:
         grad_back = self.combined.result()
         with record_function("moe_overlap.experts.backward"):
-            (self.grad_recv,) = _backward([self.back_rows], [grad_back], [self.recv_rows])
+            (self.grad_recv,) = node_backward([self.back_rows], [grad_back], [self.recv_rows])
         self.combined = self.back_rows = self.recv_rows = None
 
     def dispatch_backward(self) -> None:
@@ -197,12 +221,94 @@ class MoELayerNodes:
         grad_send = self.dispatched.result()
         _, grad_h, grad_shared, grad_top = self.post_grads
         with record_function("moe_overlap.attention.backward"):
-            (grad_x,) = _backward(self.attn_out, [grad_h, grad_send, grad_shared, grad_top, self.aux_grad], [self.x])
+            (grad_x,) = node_backward(self.attn_out, [grad_h, grad_send, grad_shared, grad_top, self.aux_grad], [self.x])
         self.dispatched = self.attn_out = self.post_grads = self.x = None
         return grad_x
 
 
-class MicroBatchNodes:
+def check_overlap_blocks(blocks: Sequence) -> None:
+    """Refuses blocks the node schedule cannot run (``ValueError``): MoE blocks before dense ones,
+    MoE without the all-to-all dispatcher, Engram blocks."""
+    moe = [block.moe_enabled for block in blocks]
+    if not any(moe) or moe.index(True) + sum(moe) != len(blocks):
+        raise ValueError("moe_overlap needs the MoE blocks to follow the dense ones, with at least one MoE block")
+    for block in blocks:
+        if block.moe_enabled and not isinstance(block.ffn.dispatcher, AllToAllTokenDispatcher):
+            raise ValueError("moe_overlap needs expert parallelism (the all-to-all dispatcher): set parallelism.ep > 1")
+        if getattr(block, "engram", None) is not None:
+            raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
+
+
+class NodeRun(ABC):
+    """One micro-batch through a run of blocks: a "pre" part (what comes before the MoE blocks: the
+    embedding, the dense blocks), the MoE blocks (``moe_blocks``) as ``MoELayerNodes`` and a "head"
+    part (what comes after them), each part with detached inputs. Subclasses give the two parts:
+    the whole model with its loss (``MicroBatchNodes``, the step without PP) or one pipeline stage
+    (trainer/parallel/pipeline_overlap.py)."""
+
+    lane: ExchangeLane
+    reduction: ManualReduction
+    moe_blocks: list
+
+    @abstractmethod
+    def forward_pre(self) -> None:
+        """Sets ``h0`` (the first MoE block's input) and ``layers`` (the ``MoELayerNodes``)."""
+
+    @abstractmethod
+    def forward_head(self):
+        """Runs after the last MoE block's ``post``; what it returns, ``pair`` returns."""
+
+    @abstractmethod
+    def backward_head(self) -> None:
+        """Sets ``grad`` (the last MoE block's output gradient) and ``aux_grads`` (each MoE
+        block's balance-loss gradient)."""
+
+    @abstractmethod
+    def backward_pre(self) -> None:
+        """The pre part's backward from ``grad`` (the first MoE block's input gradient)."""
+
+    def forward_layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """MoE block ``index`` alone; its output."""
+        layer = self.layers[index]
+        layer.attention(x)
+        layer.dispatch()
+        layer.experts()
+        layer.combine()
+        return layer.post()
+
+    def forward_alone(self):
+        self.forward_pre()
+        x = self.h0
+        for j in range(len(self.layers)):
+            x = self.forward_layer(j, x)
+        return self.forward_head()
+
+    def backward_layer_end(self, layer: MoELayerNodes) -> None:
+        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
+        self.grad = layer.attention_backward()
+        self.reduction.unit_done(layer.block)
+
+    def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
+        layer = self.layers[layer_index]
+        layer.post_backward(self.grad, self.aux_grads[layer_index])
+        layer.combine_backward()
+        return layer
+
+    def backward_layer(self, index: int) -> None:
+        """MoE block ``index``'s backward alone."""
+        layer = self.backward_layer_start(index)
+        layer.experts_backward()
+        layer.dispatch_backward()
+        self.backward_layer_end(layer)
+
+    def backward_alone(self) -> None:
+        self.backward_head()
+        for i in reversed(range(len(self.layers))):
+            self.backward_layer(i)
+        self.backward_pre()
+
+
+class MicroBatchNodes(NodeRun):
     """One micro-batch through the model: the embedding and dense blocks, the MoE blocks as
     ``MoELayerNodes``, the head with the loss; ``objective`` and ``aux_scale`` as in
     ``ParallelStep.forward_backward``."""
@@ -235,8 +341,8 @@ class MicroBatchNodes:
         """The loss; returns its cross-entropy and MTP terms (detached)."""
         self.lane.drain()  # MTP's MoE exchanges synchronously
         with record_function("moe_overlap.head.forward"), self.autocast():
-            self.head_in = [_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
-            self.head_in += [_leaf(layer.attn_out[4]) for layer in self.layers]
+            self.head_in = [detached_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
+            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
             h, *rest = self.head_in
             mtp_embeds, auxes = rest[: len(self.mtp_embeds)], rest[len(self.mtp_embeds) :]
             # The balance losses summed in the order of DeepSeekV3Model.forward_blocks.
@@ -248,61 +354,34 @@ class MicroBatchNodes:
             self.loss, ce, mtp = self.objective(out, self.mb.targets, self.aux_scale)
         return ce.detach(), mtp.detach()
 
-    def forward_alone(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.forward_pre()
-        x = self.h0
-        for layer in self.layers:
-            layer.attention(x)
-            layer.dispatch()
-            layer.experts()
-            layer.combine()
-            x = layer.post()
-        return self.forward_head()
-
     # Backward.
     def backward_head(self) -> None:
+        self.lane.drain()  # MTP's MoE backward exchanges synchronously
         with record_function("moe_overlap.head.backward"):
-            grads = _backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
+            grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
         depths = len(self.mtp_embeds)
         self.grad, self.mtp_grads, self.aux_grads = grads[0], grads[1 : 1 + depths], grads[1 + depths :]
         self.loss = self.head_in = None
 
-    def backward_layer_end(self, layer: MoELayerNodes) -> None:
-        """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
-        self.grad = layer.attention_backward()
-        self.reduction.unit_done(layer.block)
-
-    def backward_layer_start(self, layer_index: int) -> MoELayerNodes:
-        layer = self.layers[layer_index]
-        layer.post_backward(self.grad, self.aux_grads[layer_index])
-        layer.combine_backward()
-        return layer
-
     def backward_pre(self) -> None:
         with record_function("moe_overlap.pre.backward"):
-            _backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
+            node_backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
         self.h0 = self.aux0 = self.grad = self.layers = self.mtp_embeds = self.mtp_grads = None
 
-    def backward_alone(self) -> None:
-        self.backward_head()
-        for i in reversed(range(len(self.layers))):
-            layer = self.backward_layer_start(i)
-            layer.experts_backward()
-            layer.dispatch_backward()
-            self.backward_layer_end(layer)
-        self.backward_pre()
 
-
-def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Tensor]:
-    """``b``'s backward beside ``f``'s forward, MoE layer by MoE layer (module doc); returns
-    ``f``'s loss terms. The same order on every rank: it depends only on the layer counts."""
+def pair(b: NodeRun, f: NodeRun):
+    """``b``'s backward beside ``f``'s forward, MoE layer by MoE layer (module doc), over their
+    common number of MoE layers; the rest of the longer one's layers run alone after. Returns
+    ``f.forward_head()``'s result. The same order on every rank: it depends only on the layer
+    counts."""
     f.forward_pre()
     b.backward_head()
-    num_layers = len(f.layers)
+    nf, nb = len(f.layers), len(b.layers)
+    common = min(nf, nb)
     x = f.h0
-    for j in range(num_layers):
+    for j in range(common):
         fl = f.layers[j]
-        bl = b.backward_layer_start(num_layers - 1 - j)  # post backward, combine backward starts
+        bl = b.backward_layer_start(nb - 1 - j)  # post backward, combine backward starts
         if j > 0:
             x = f.layers[j - 1].post()
         fl.attention(x)  # beside the combine backward
@@ -312,10 +391,15 @@ def pair(b: MicroBatchNodes, f: MicroBatchNodes) -> tuple[torch.Tensor, torch.Te
         fl.experts()  # beside the dispatch backward
         fl.combine()
         b.backward_layer_end(bl)  # beside the combine forward
-    f.layers[-1].post()
-    terms = f.forward_head()
+    if common:
+        x = f.layers[common - 1].post()
+    for j in range(common, nf):
+        x = f.forward_layer(j, x)
+    for i in reversed(range(nb - common)):
+        b.backward_layer(i)
+    out = f.forward_head()
     b.backward_pre()
-    return terms
+    return out
 
 
 class MoEOverlapStep(ParallelStep):
@@ -328,15 +412,7 @@ class MoEOverlapStep(ParallelStep):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        blocks = list(self.model.layers.values())
-        moe = [block.moe_enabled for block in blocks]
-        if not any(moe) or moe.index(True) + sum(moe) != len(blocks):
-            raise ValueError("moe_overlap needs the MoE blocks to follow the dense ones, with at least one MoE block")
-        for block in blocks:
-            if block.moe_enabled and not isinstance(block.ffn.dispatcher, AllToAllTokenDispatcher):
-                raise ValueError("moe_overlap needs expert parallelism (the all-to-all dispatcher): set parallelism.ep > 1")
-            if getattr(block, "engram", None) is not None:
-                raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
+        check_overlap_blocks(list(self.model.layers.values()))
 
     def forward_backward(self, micro: list[MicroBatch], objective: Callable, autocast: Callable) -> tuple:
         device = micro[0].labels.device

@@ -182,7 +182,8 @@ def build_step(
     moe_overlap: bool = False,
 ) -> ParallelStep:
     """The step object for the layout: a `PipelineStep` over the rank's stages, else a `ParallelStep`
-    (a `MoEOverlapStep` under ``moe_overlap``: trainer/parallel/moe_overlap.py)."""
+    (a `MoEOverlapStep` under ``moe_overlap``: trainer/parallel/moe_overlap.py; with pipelining,
+    DualPipeV's overlapped actions: trainer/parallel/pipeline_overlap.py)."""
     if stage.stages is None:
         step_class = MoEOverlapStep if moe_overlap else ParallelStep
         return step_class(
@@ -193,7 +194,8 @@ def build_step(
         check_zero_bubble_stages(stage.stages, dims.pipeline.pp_schedule)
     activation = activation_meta(training, dims, model.args.dim, stage.param_dtype)
     return PipelineStep(
-        model, dims, stage.stages, activation, context_parallel=stage.context_parallel, engram_hasher=engram_hasher
+        model, dims, stage.stages, activation, moe_overlap, context_parallel=stage.context_parallel,
+        engram_hasher=engram_hasher,
     )
 
 

@@ -46,6 +46,7 @@ from trainer.parallel.fsdp import reshards_after_forward
 from trainer.parallel.grad_norm import clip_coefficient
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule
+from trainer.parallel.pipeline_overlap import OverlapRuntime
 from trainer.parallel.step import MicroBatch, ParallelStep, Targets
 from trainer.parallel.tensor_parallel import replicated_value
 
@@ -96,7 +97,8 @@ class PipelineStep(ParallelStep):
     Each accumulation micro-batch of the step is one schedule run over ``pp_microbatches`` chunks
     of its rows. The objective is the same sum-reduced one as without pipelining (the trainer's,
     with the global valid-token counts), computed by the schedule's loss function on the last
-    stage, so torch's ``scale_grads`` stays off.
+    stage, so torch's ``scale_grads`` stays off. With ``moe_overlap`` (DualPipeV) the training
+    schedule runs its ``OVERLAP_F_B`` actions MoE node by MoE node (trainer/parallel/pipeline_overlap.py).
     """
 
     def __init__(
@@ -105,9 +107,12 @@ class PipelineStep(ParallelStep):
         dims: ParallelDims,
         stages: list[StageModule],
         activation: tuple[tuple[int, ...], torch.dtype],
+        moe_overlap: bool = False,
         **kwargs,
     ):
         super().__init__(model, dims, pp=dims.mesh("pp"), **kwargs)
+        self.moe_overlap = moe_overlap
+        self.overlap: OverlapRuntime | None = None
         self.stages = stages
         self.pp_mesh = dims.mesh("pp")
         self.activation_shape, self.activation_dtype = activation
@@ -166,6 +171,8 @@ class PipelineStep(ParallelStep):
                 )
             if not train and plan.zero_bubble:
                 _forward_only(schedule, plan.pp_microbatches)
+            if train and self.moe_overlap:
+                self.overlap = OverlapRuntime(schedule, self.stages)
             self._schedules[train] = schedule
         return self._schedules[train]
 
@@ -193,6 +200,8 @@ class PipelineStep(ParallelStep):
         schedule = self.schedule(mb.inputs.device, train)
         args = (mb.inputs,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
+        if train and self.overlap is not None:
+            self.overlap.loss_args = (loss_kwargs or {},) if _LOSS_KWARGS else ()
         _run_schedule(schedule, train, args, kwargs, target, losses, loss_kwargs or {})
         return losses
 

@@ -1,0 +1,320 @@
+"""DualPipeV's ``OVERLAP_F_B`` with the MoE all-to-all hidden (``[parallelism] moe_overlap`` under
+``pp_schedule = "DualPipeV"``): the forward of one (stage, micro-batch) runs beside the full
+backward of another, MoE node by MoE node, with the node code of the step without PP
+(trainer/parallel/moe_overlap.py: ``MoELayerNodes``, ``pair``, ``ExchangeLane``).
+
+torch's runtime runs an ``OVERLAP_F_B`` action's two halves one after the other unless a function
+is registered for it (``register_custom_function``). The interleave needs both micro-batches in
+node form (each node with detached inputs), and a backward in node form needs that micro-batch's
+forward to have run in node form. DualPipeV's forward halves are mostly micro-batches whose
+backward is *not* an ``OVERLAP_F_B``'s: with the fewest micro-batches (one per stage) no
+micro-batch has both halves overlapped, so running in node form only the micro-batches whose
+backward is overlapped would hide nothing. Hence every forward of a stage holding MoE blocks runs
+in node form, and this module gives the runtime its own FORWARD, FULL_BACKWARD, BACKWARD_INPUT and
+BACKWARD_WEIGHT as well (stages without MoE blocks take torch's path, redone here: the runtime
+dispatches on the action type only). A node-form input pass computes the stage's weight gradients
+too but keeps them aside; its weight pass adds them into ``.grad``, so every parameter receives
+each micro-batch's gradient at the point of the schedule where torch's weight pass adds it, in the
+same order (fp32 sums are order-sensitive: the overlap on and off agree bit for bit,
+tests/distributed/test_moe_overlap.py).
+
+Collective order: the ranks of one ep group hold the same stages (``ep`` borrows from
+``dp_shard``, inside one pp rank) and run the same action list, so the pairs' exchanges keep the
+step without PP's argument (one in flight at a time on the ep group, every action ends with none
+in flight); the pipeline's sends and receives are on the pp group.
+
+Private API: a custom function must redo the runtime's bookkeeping (torch 2.13's
+``_PipelineScheduleRuntime._step_microbatches``, ``_perform_action``): the receive waits (none
+between a rank's two adjacent V stages, which hand over with ``set_local_fwd_input`` /
+``set_local_bwd_input``), the unshard assertion, the backward counter, the loss
+(``_maybe_compute_loss`` / ``_maybe_get_loss``), the stage's ``fwd_cache`` (what SEND_F sends) and
+``bwd_cache`` (what SEND_B sends). All of that coupling is in ``OverlapRuntime``.
+
+FSDP: every unit of a stage is gathered by the schedule's UNSHARD and stays so until REDUCE_GRAD
+(zero-bubble, trainer/parallel/pipeline_step.py); node-form gradients land in the gathered
+parameters' ``.grad`` as FSDP's hooks would leave them; after each node-form backward this runs
+what FSDP's end-of-backward callback does in a no-sync backward (it accumulates in the reduce
+dtype under mixed precision), and REDUCE_GRAD reduces once per step, as without the overlap.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    ScheduleDualPipeV,
+    _Action,
+    _wait_batch_p2p,
+)
+
+from trainer.parallel.fsdp import ManualReduction
+from trainer.parallel.moe_overlap import (
+    ExchangeLane,
+    MoELayerNodes,
+    NodeRun,
+    check_overlap_blocks,
+    detached_leaf,
+    node_backward,
+    pair,
+)
+from trainer.parallel.pipeline import StageModule
+
+
+class StageNodes(NodeRun):
+    """One micro-batch through one pipeline stage (``StageModule.forward`` in nodes): the pre part
+    embeds (first stage) and runs the dense blocks, the head part sums the balance losses and
+    gives the stage's outputs, ``(h, aux)`` or on the last stage ``(logits, aux, *mtp_logits)``.
+
+    ``acts``: the stage's received inputs ``(h, aux)`` (autograd leaves), or the first stage's
+    tokens; ``kwargs``: the stage's keyword inputs for this micro-batch. Before ``backward_head``
+    the caller sets ``loss`` (last stage) or ``output_grads``."""
+
+    def __init__(self, module: StageModule, acts: tuple, kwargs: dict, lane: ExchangeLane):
+        self.module, self.acts, self.kwargs, self.lane = module, acts, kwargs, lane
+        self.model = module._model[0]
+        blocks = list(module.blocks)
+        first_moe = next(i for i, block in enumerate(blocks) if block.moe_enabled)
+        self.dense, self.moe_blocks = blocks[:first_moe], blocks[first_moe:]
+        self.reduction = ManualReduction(None)  # REDUCE_GRAD reduces, once per step
+        self.loss = self.output_grads = None
+
+    # Forward.
+    def forward_pre(self) -> None:
+        model, spec, kwargs = self.model, self.module.spec, self.kwargs
+        tokens, positions = kwargs["tokens"], kwargs.get("positions")
+        if positions is not None:  # one row per micro-batch row (pipeline_step.py): all alike
+            positions = positions[0]
+        with record_function("moe_overlap.pre.forward"):
+            self.rope = model.rope_and_mask(tokens, positions, kwargs.get("attn_mask"))
+            if spec.first:
+                h, self.aux_in = model.embed(tokens), None
+            else:
+                h, self.aux_in = self.acts
+            self.h0, self.aux0 = model.forward_blocks(h, *self.rope, tokens, None, self.dense)
+        self.layers = [MoELayerNodes(block, self.rope, nullcontext, self.lane) for block in self.moe_blocks]
+
+    def forward_head(self) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs."""
+        self.lane.drain()  # MTP's MoE exchanges synchronously
+        with record_function("moe_overlap.head.forward"):
+            self.head_in = [detached_leaf(self.layers[-1].y), detached_leaf(self.aux0)]
+            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
+            h, aux, *auxes = self.head_in
+            # The balance losses summed as StageModule.forward (DeepSeekV3Model.forward_blocks) sums them.
+            for layer_aux in auxes:
+                aux = aux + layer_aux
+            if self.aux_in is not None:
+                aux = self.aux_in + aux
+            if not self.module.spec.last:
+                self.out = (h, aux)
+            else:
+                logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.kwargs.get("labels"), *self.rope)
+                self.out = (logits, aux + mtp_aux, *mtp_logits)
+        return self.out
+
+    # Backward.
+    def backward_head(self) -> None:
+        self.lane.drain()  # MTP's MoE backward exchanges synchronously
+        with record_function("moe_overlap.head.backward"):
+            if self.module.spec.last:  # the loss's own gradient, as torch's stage_backward takes it
+                grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
+            else:
+                grads = node_backward(self.out, self.output_grads, self.head_in)
+        self.grad, self.aux_grads = grads[0], grads[2:]
+        self.out = self.loss = self.output_grads = self.head_in = None
+
+    def backward_pre(self) -> None:
+        with record_function("moe_overlap.pre.backward"):
+            node_backward([self.h0], [self.grad], [])
+        # The received inputs' gradients, taken off them as torch's stage_backward does.
+        self.input_grads = tuple(t.grad for t in self.acts)
+        for t in self.acts:
+            t.grad = None
+        self.h0 = self.aux0 = self.grad = self.layers = self.acts = None
+
+
+class OverlapRuntime:
+    """DualPipeV's runtime with ``OVERLAP_F_B`` interleaved (module doc), registered on ``schedule``
+    (a ``ScheduleDualPipeV`` over ``modules``, this rank's stages).
+
+    ``loss_args``: what follows the micro-batch index in the runtime's ``_maybe_compute_loss``
+    call, set by the step before every run: ``(loss_kwargs,)`` where torch passes the loss keyword
+    arguments, else ``()`` (torch < 2.13 binds them to the loss function). The step always runs with
+    ``return_outputs=False``, so the last stage keeps no output chunks here either.
+    """
+
+    def __init__(self, schedule, modules: list[StageModule]):
+        if not isinstance(schedule, ScheduleDualPipeV):
+            raise ValueError(f"moe_overlap with pp needs pp_schedule DualPipeV, got {type(schedule).__name__}")
+        self.schedule = schedule
+        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.node_form = set()
+        for module in modules:
+            if any(block.moe_enabled for block in module.blocks):
+                check_overlap_blocks(list(module.blocks))
+                self.node_form.add(module.spec.index)
+        self.lane = ExchangeLane()
+        self.runs: dict[tuple[int, int], StageNodes] = {}  # node-form forwards awaiting their backward
+        self.weight_grads: dict[tuple[int, int], list] = {}  # (param, grad) kept from an input pass
+        self.loss_args: tuple = ()
+        for kind, fn in (
+            (FORWARD, self.forward), (FULL_BACKWARD, self.full_backward), (BACKWARD_INPUT, self.backward_input),
+            (BACKWARD_WEIGHT, self.backward_weight), (OVERLAP_F_B, self.overlap),
+        ):
+            schedule.register_custom_function(kind, fn)
+
+    # ------------------------------------------------------------------ the actions
+    def forward(self, action: _Action, ctx) -> None:
+        stage, mb = self._forward_start(action)
+        if action.stage_index not in self.node_form:
+            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+            self._forward_finish(stage, mb, output, ctx)
+            return
+        nodes = self._nodes(stage, mb, ctx)
+        self._forward_finish(stage, mb, nodes.forward_alone(), ctx, nodes)
+
+    def full_backward(self, action: _Action, ctx=None) -> None:
+        self._backward(action, full=True)
+
+    def backward_input(self, action: _Action, ctx=None) -> None:
+        self._backward(action, full=False)
+
+    def backward_weight(self, action: _Action, ctx=None) -> None:
+        stage, mb = self.stages[action.stage_index], action.microbatch_index
+        self.schedule._assert_unsharded(stage)
+        last_backward = self._count_backward(stage)
+        if action.stage_index not in self.node_form:
+            stage.backward_weight_one_chunk(mb, last_backward=last_backward)
+            return
+        with torch.no_grad():
+            for p, grad in self.weight_grads.pop((action.stage_index, mb)):
+                if grad is None:
+                    continue
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+        self._node_backward_finish(stage)
+
+    def overlap(self, action: _Action, ctx) -> None:
+        """The forward half beside the backward half, MoE node by MoE node, where both stages hold
+        MoE blocks; else the two halves one after the other, as torch runs them."""
+        f_action, b_action = action.sub_actions
+        if not {f_action.stage_index, b_action.stage_index} <= self.node_form:
+            self.forward(f_action, ctx)
+            self.full_backward(b_action, ctx)
+            return
+        f_stage, f_mb = self._forward_start(f_action)
+        f_nodes = self._nodes(f_stage, f_mb, ctx)
+        b_stage, b_mb = self._backward_start(b_action)
+        self._count_backward(b_stage)
+        b_nodes = self._backward_nodes(b_stage, b_mb)
+        output = pair(b_nodes, f_nodes)
+        self._forward_finish(f_stage, f_mb, output, ctx, f_nodes)
+        self._node_backward_finish(b_stage)
+        self._backward_finish(b_stage, b_mb, b_nodes)
+
+    def _backward(self, action: _Action, full: bool) -> None:
+        """A full backward, or an input pass (``full`` False) whose weight pass comes later."""
+        stage, mb = self._backward_start(action)
+        last_backward = self._count_backward(stage) if full else False
+        if action.stage_index not in self.node_form:
+            loss = self.schedule._maybe_get_loss(stage, mb)
+            stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
+            self._backward_finish(stage, mb)
+            return
+        nodes = self._backward_nodes(stage, mb)
+        if full:
+            nodes.backward_alone()
+            self._node_backward_finish(stage)
+        else:
+            # The weight gradients computed now are set aside for the weight pass (module doc).
+            params = list(stage.submod.parameters())
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            nodes.backward_alone()
+            self.weight_grads[(stage.stage_index, mb)] = [(p, p.grad) for p in params]
+            for p, grad in zip(params, kept, strict=True):
+                p.grad = grad
+        self._backward_finish(stage, mb, nodes)
+
+    # ------------------------------------------------------------------ the runtime's bookkeeping
+    def _forward_start(self, action: _Action):
+        """The unshard assertion and the wait for the stage's received inputs."""
+        stage, mb = self.stages[action.stage_index], action.microbatch_index
+        self.schedule._assert_unsharded(stage)
+        if not stage.is_first and stage.stage_index - 1 not in self.stages:
+            _wait_batch_p2p(self.schedule.fwd_recv_ops.pop((stage.stage_index, mb)))
+        return stage, mb
+
+    def _nodes(self, stage, mb: int, ctx) -> StageNodes:
+        """The micro-batch's node-form run of ``stage`` (not started)."""
+        if isinstance(stage.submod, FSDPModule):
+            # What the root's pre-forward hook would do first (it never runs in node form).
+            stage.submod._get_fsdp_state()._lazy_init()
+        acts = ctx.arg_mbs[mb] if stage.is_first else stage._retrieve_recv_activations(mb)
+        return StageNodes(stage.submod, acts, ctx.kwarg_mbs[mb], self.lane)
+
+    def _forward_finish(self, stage, mb: int, output, ctx, nodes: StageNodes | None = None) -> None:
+        """The loss on the last stage, the outputs where SEND_F (or the next local stage) finds them."""
+        if nodes is not None:
+            # torch's forward_one_chunk caches (outputs, inputs); the inputs live in the nodes here.
+            stage.fwd_cache[mb] = (tuple(output), [])
+            self.runs[(stage.stage_index, mb)] = nodes
+        self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, *self.loss_args)
+        if stage.stage_index + 1 in self.stages:
+            self.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
+
+    def _backward_start(self, action: _Action):
+        stage, mb = self.stages[action.stage_index], action.microbatch_index
+        self.schedule._assert_unsharded(stage)
+        if not stage.is_last and stage.stage_index + 1 not in self.stages:
+            _wait_batch_p2p(self.schedule.bwd_recv_ops.pop((stage.stage_index, mb)))
+        return stage, mb
+
+    def _count_backward(self, stage) -> bool:
+        """Counts a full or weight pass; whether it is the stage's last of the run."""
+        self.schedule.backward_counter[stage.stage_index] += 1
+        return self.schedule.backward_counter[stage.stage_index] == self.schedule._n_microbatches
+
+    def _backward_nodes(self, stage, mb: int) -> StageNodes:
+        """The micro-batch's node-form run, given its loss or its outputs' gradients."""
+        nodes = self.runs.pop((stage.stage_index, mb))
+        stage.fwd_cache.pop(mb)
+        _no_sync(stage.submod)
+        if stage.is_last:
+            nodes.loss = self.schedule._maybe_get_loss(stage, mb)
+        else:
+            nodes.output_grads = stage._retrieve_recv_grads(mb)
+        return nodes
+
+    def _backward_finish(self, stage, mb: int, nodes: StageNodes | None = None) -> None:
+        """The input gradients where SEND_B (or the previous local stage) finds them."""
+        if nodes is not None and not stage.is_first:
+            stage.bwd_cache[mb] = nodes.input_grads
+        if stage.stage_index - 1 in self.stages:
+            self.stages[stage.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    def _node_backward_finish(self, stage) -> None:
+        """FSDP's end of a no-sync backward (module doc), which its hooks run on torch's path."""
+        if isinstance(stage.submod, FSDPModule):
+            stage.submod._get_fsdp_state()._root_post_backward_final_callback()
+
+
+def _no_sync(module) -> None:
+    """What torch's stage sets before every backward (``backward_maybe_with_nosync``): no reshard
+    and no reduction until REDUCE_GRAD. FSDP's hooks still run in node form where a unit is called
+    whole (the MTP block in the head), and its end-of-backward callback then runs over every unit."""
+    if isinstance(module, FSDPModule):
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
