@@ -23,6 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,11 @@ from trainer.parallel.fsdp import reshards_after_forward
 from trainer.parallel.grad_norm import clip_coefficient
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule
-from trainer.parallel.pipeline_overlap import OverlapRuntime
 from trainer.parallel.step import MicroBatch, ParallelStep, Targets
 from trainer.parallel.tensor_parallel import replicated_value
+
+if TYPE_CHECKING:
+    from trainer.parallel.pipeline_overlap import OverlapRuntime
 
 # torch >= 2.13 passes keyword arguments to the loss function; older releases call it with
 # (output, target) only, and get them bound for the run (`_run_schedule`).
@@ -172,6 +175,10 @@ class PipelineStep(ParallelStep):
             if not train and plan.zero_bubble:
                 _forward_only(schedule, plan.pp_microbatches)
             if train and self.moe_overlap:
+                # Imported here: it leans on the pipelining runtime's private names (checked on
+                # torch 2.13), which no other pipelined run should depend on.
+                from trainer.parallel.pipeline_overlap import OverlapRuntime
+
                 self.overlap = OverlapRuntime(schedule, self.stages)
             self._schedules[train] = schedule
         return self._schedules[train]
