@@ -13,10 +13,14 @@ it is given; here parameters are FSDP2 dim-0 shards (DTensors), TP shards, and `
 stacks, so only its Newton-Schulz kernel and constants are reused and the step is this module's:
 
 * a routed-expert stack is sharded on its expert dim only (EP, and FSDP over efsdp shards dim 0
-  again): every rank holds whole expert matrices and orthogonalises its own experts in one
-  batched call, no communication; the work is spread over the expert owners.
+  again), so its matrices are whole wherever they are held. A stack a rank holds whole and alone
+  (no efsdp shard, no replica) is orthogonalised there in one batched call, no communication.
+  Where several ranks hold the stack's expert-parallel slice (efsdp shards, replicas), each of its
+  expert matrices is orthogonalised once, by an owner among those ranks (trainer/muon_owners.py):
+  efsdp can exceed the experts per EP rank, leaving ranks with none, and replicas would each
+  repeat their experts.
 * any other matrix held by several ranks (sharded or replicated) is orthogonalised once, by its
-  owner among them (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
+  owner among all ranks (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
   gets back its part of the result. The owner's matrix is the gathered one, so the update is one
   process's.
 

@@ -1,26 +1,30 @@
-"""Owned Newton-Schulz: each sharded Muon matrix is orthogonalised by one rank.
+"""Owned Newton-Schulz: each Muon matrix held by several ranks is orthogonalised by one rank.
 
 Newton-Schulz (NS) needs a whole matrix. Gathering every sharded matrix on every rank and
 orthogonalising it there makes each rank pay the whole model's NS whatever the world size.
 Instead (as torchtitan's DistMuon, Megatron's layer-wise distributed optimizer and Dion do):
 
-* every matrix held by several ranks (its DTensor mesh: FSDP, HSDP's replicas, TP, a pipeline
-  stage's data-parallel ranks) gets one owner, by longest-processing-time-first balancing of the
-  NS cost over all ranks, starting from the expert stacks each rank orthogonalises anyway
-  (`assign_owners`): a pure function of the shapes and rank count, so every rank computes the
-  same owners, and benchmarks/optim_bench.py computes the 671B figures with the same code;
+* every matrix held by several ranks gets one owner, by longest-processing-time-first balancing
+  of the NS cost (`assign_owners`), in one pass over all of them: a 2-D matrix (its DTensor mesh:
+  FSDP, HSDP's replicas, TP, a pipeline stage's data-parallel ranks) among all ranks; an expert
+  matrix of a stack whose expert-parallel slice several ranks hold (efsdp shards, replicas) among
+  those ranks (`expert_group`); starting from the NS work each rank does anyway (stacks it holds
+  alone). A pure function of the shapes and groups, so every rank computes the same owners, and
+  benchmarks/optim_bench.py computes the 671B figures with the same code;
 * the matrices move in buckets of whole tensors, one `all_to_all_single` per bucket and
   direction (`OwnedExchange`): each holder sends its part of the update to the owner, the owner
-  assembles the matrix, orthogonalises it, and sends each holder its part of the result. Replicas
-  (HSDP's replicate dim, replicated placements) send nothing: the first replica's parts make the
-  matrix; every replica gets the result.
+  assembles the matrix, orthogonalises it (expert matrices: one batched call per shape and
+  bucket), and sends each holder its part of the result. Of replicas (HSDP's replicate dim,
+  replicated placements) one sends: the first replica's parts make a 2-D matrix, and a whole
+  expert matrix comes from the owner's own copy or one holder; every replica gets the result.
 
-Where each element of a rank's part sits in the whole matrix is read from DTensor itself
-(`trainer.distributed.local_flat_indices`), so every placement DTensor has (FSDP's strided shards
-on TP's, uneven shards) moves exactly, and the owner's matrix is bitwise the gathered one: every
-layout's update stays one process's. The index maps are exchanged once, when the plan is built.
-Hand-rolled rather than DTensor redistributions: those would be one collective per parameter and
-would deliver every matrix to every rank of its mesh.
+Where each element of a rank's part of a 2-D matrix sits in the whole matrix is read from DTensor
+itself (`trainer.distributed.local_flat_indices`), so every placement DTensor has (FSDP's strided
+shards on TP's, uneven shards) moves exactly, and the owner's matrix is bitwise the gathered one:
+every layout's update stays one process's. The index maps are exchanged once, when the plan is
+built; expert matrices are whole wherever they are held and need none. Hand-rolled rather than
+DTensor redistributions: those would be one collective per parameter and would deliver every
+matrix to every rank of its mesh.
 """
 
 from __future__ import annotations
@@ -125,8 +129,8 @@ def expert_group(p: DTensor) -> tuple[int, ...]:
 @dataclass
 class _Bucket:
     """One bucket's static layout. Its matrices are all of one kind: parts with index maps
-    (`gather_idx` set), or whole expert matrices. Sending side: `send_pieces` (position in the
-    plan, expert index in the local stack or None; first replicas only), `send_splits`, and for the
+    (`gather_idx` set), or whole expert matrices. Sending side: `send_pieces` (position in
+    `params`, expert index in the local stack or None; one copy of each matrix), `send_splits`, and for the
     results `back_recv_splits` and `back_pieces` (position, expert index, shape) in arrival order.
     Owner side: `owned` (plan index, offset in the assembled or received buffer, shape),
     `recv_splits`, `back_send_splits`; for parts `gather_idx` (where each received element goes)
@@ -273,10 +277,15 @@ class OwnedExchange:
         return b
 
     def _plan_whole(self, members: list[int], me: int, world: int) -> _Bucket:
-        """A bucket of whole expert matrices: no index maps, each matrix from its first replica's
-        holder to its owner, and its result to every holder."""
+        """A bucket of whole expert matrices: no index maps, each matrix from one holder to its
+        owner, and its result to every holder. Replicas hold the same update, so the sender is the
+        owner itself where it holds the matrix, else its holders in turn: replicas share the
+        sending instead of the first replica's ranks sending every matrix."""
         b = _Bucket()
-        first = {m: next(r for r, (_, f) in self.parts[m].items() if f) for m in members}
+        first = {}
+        for m in members:
+            holders = sorted(self.parts[m])
+            first[m] = self.owners[m] if self.owners[m] in self.parts[m] else holders[m % len(holders)]
         for r in range(world):
             sent = [m for m in members if self.owners[m] == r and first[m] == me]
             b.send_pieces += [self.local[self.keys[m]] for m in sent]

@@ -36,3 +36,15 @@ def test_owned_flops_sum_to_the_whole_and_fall_with_the_group(ranks):
     assert len(per_rank) == ranks
     assert sum(per_rank) == pytest.approx(sum(ns_flops(s, 5) for s in shapes))
     assert max(per_rank) <= sum(per_rank) / ranks + max(ns_flops(s, 5) for s in shapes)
+
+
+def test_candidates_confine_owners_in_one_pass():
+    # Two groups of two ranks for the small matrices, any rank for the large one: the rank that
+    # takes the large matrix takes fewer small ones of its group.
+    costs = [4.0] + [1.0] * 8
+    candidates = [None] + [(0, 1)] * 4 + [(2, 3)] * 4
+    owners = assign_owners(costs, 4, candidates=candidates)
+    assert owners == assign_owners(list(costs), 4, candidates=list(candidates))
+    assert all(o in c for o, c in zip(owners[1:], candidates[1:]))
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    assert owners[0] == 0 and loads == [4.0, 4.0, 2.0, 2.0]
