@@ -242,8 +242,9 @@ def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: i
     pooled = list(alone)
     for cost, owner in zip(dense + costs, assign_owners(dense + costs, world, alone, [None] * len(dense) + candidates)):
         pooled[owner] += cost
+    once = sum(dense) + sum(ns_flops(shape, ns_steps) for _, shape in stacks)  # every matrix once
     return {"before": before, "local": local, "pooled": pooled, "experts": experts, "matrices": len(matrices),
-            "expert_matrices": len(costs)}
+            "expert_matrices": len(costs), "once": once}
 
 
 def flops_671b() -> list[dict]:
@@ -260,7 +261,8 @@ def flops_671b() -> list[dict]:
     print("|---|---|---|---|---|---|")
     for name, kw in layouts.items():
         r = layout_flops(args, 2048, **kw)
-        row = {"layout": name, "expert_matrices_pooled": r["expert_matrices"], "experts_max": max(r["experts"])}
+        row = {"layout": name, "expert_matrices_pooled": r["expert_matrices"], "experts_max": max(r["experts"]),
+               "once": r["once"]}
         for k in ("before", "local", "pooled"):
             row[f"{k}_max"], row[f"{k}_mean"] = max(r[k]), sum(r[k]) / len(r[k])
         row["matrices_before_max"] = max(x - y for x, y in zip(r["before"], r["experts"]))
