@@ -135,6 +135,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self.chunk_numel = chunk_numel
         self._exchanges: dict[int, OwnedExchange] = {}
+        self._pooled: dict[int, list[torch.Tensor]] = {}  # per param group: its `_pooled` parameters
         self.register_load_state_dict_post_hook(_restore_state_dtype)
 
     BUFFERS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -190,30 +191,34 @@ class MuonAdamW(torch.optim.Optimizer):
         agree on what moves. A stack sharded inside its matrices (not a layout this trainer
         makes): gathered here."""
         steps, dtype = group["ns_steps"], self.ns_dtype
+        key = self.param_groups.index(group)
+        if key not in self._pooled:  # once: telling a pooled stack reads its mesh's ranks
+            self._pooled[key] = [p for p in group["params"] if _pooled(p)]
+        pooled = self._pooled[key]
+        ids = {id(p) for p in pooled}
         out: dict[int, torch.Tensor] = {}
         for p, update in zip(params, updates):
-            if _pooled(p):
+            if id(p) in ids:
                 continue
             if holds_whole_matrices(p):
                 out[id(p)] = orthogonalize(update, steps, dtype)
             else:
                 out[id(p)] = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
-        pooled = [p for p in group["params"] if _pooled(p)]
         if pooled:
             given = {id(p): u for p, u in zip(params, updates)}
             moved = [given[id(p)] if id(p) in given else torch.zeros_like(local_tensor(p)) for p in pooled]
-            parts = self._exchange(group, pooled).run(
+            parts = self._exchange(key, group, pooled).run(
                 moved, lambda m: newton_schulz(m, steps, dtype), lambda s: batched_newton_schulz(s, steps, dtype), dtype)
             out.update(zip(map(id, pooled), parts))
         return [out[id(p)] for p in params]
 
-    def _exchange(self, group: dict, pooled: list[DTensor]) -> OwnedExchange:
+    def _exchange(self, key: int, group: dict, pooled: list[DTensor]) -> OwnedExchange:
         """The owner plan of the group's pooled matrices, built at its first step (a collective of
         all ranks) and kept: owners and index maps depend only on shapes and placements. The NS
         work a rank does anyway (stacks it holds alone, plain matrices) is balanced against."""
-        key = self.param_groups.index(group)
         if key not in self._exchanges:
-            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"] if not _pooled(p))
+            ids = {id(p) for p in pooled}
+            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"] if id(p) not in ids)
             self._exchanges[key] = OwnedExchange(pooled, base, group["ns_steps"], self.bucket_bytes)
         return self._exchanges[key]
 

@@ -105,7 +105,7 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from trainer.diagnostics import init_local_gloo
+    from trainer.diagnostics import HostReadCounter, init_local_gloo
     from trainer.muon import MuonAdamW
 
     init_local_gloo(rank, world, port)
@@ -129,15 +129,18 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     kw = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, ns_dtype=torch.float32)
 
     def trained(place, w0, grads) -> tuple[list[torch.Tensor], int]:
-        """The weights after two steps, and the expert matrices the owner plan moves."""
+        """The weights after two steps, and the expert matrices the owner plan moves (-1 where the
+        second step read a tensor's value on the host)."""
         params = [nn.Parameter(place(w.clone())) for w in w0]
         opt = MuonAdamW([{"params": params, "muon": True}], bucket_bytes=4000, **kw)  # several buckets
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = place(g.clone())
-            opt.step()
+            with HostReadCounter("cpu") as reads:  # the second step (the plan exists) reads nothing
+                opt.step()
         pooled = sum(key[0] == 1 for plan in opt._exchanges.values() for key in plan.keys)
-        return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params], pooled
+        weights = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+        return weights, pooled if not reads.reads else -1
 
     out = {}
     for name, (mesh, placements, shapes) in layouts.items():
