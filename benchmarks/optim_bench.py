@@ -215,22 +215,29 @@ def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: i
     matrices = [(names[id(p)], tuple(p.shape)) for p in muon_params(model) if p.ndim == 2]
     stacks = [(names[id(p)], tuple(p.shape)) for p in muon_params(model) if p.ndim == 3]
     experts = [0.0] * world  # held: dim-0 shards of the EP rank's n / ep experts over efsdp (torch.chunk)
-    costs, candidates = [], []  # pooled expert matrices, and the ranks of their slice
+    costs, candidates, holders = [], [], []  # pooled expert matrices, the ranks of their slice, their holders
     alone = [0.0] * world  # stacks whose slice is one rank: they stay there
     for name, (n, a_, b_) in stacks:
         stage = _stage_of(name, args.n_layers, pp)
         per_ep, cost = n // ep, ns_flops((a_, b_), ns_steps)
         part = -(-per_ep // efsdp)
-        for e in range(ep):
-            group = [stage * per_stage + (rep * efsdp + f) * ep + e for rep in range(replicate) for f in range(efsdp)]
+        groups = [[stage * per_stage + (rep * efsdp + f) * ep + e for rep in range(replicate) for f in range(efsdp)]
+                  for e in range(ep)]
+        for e, group in enumerate(groups):
             for rank in group:
                 f = (rank - stage * per_stage) // ep % efsdp
                 experts[rank] += max(0, min(part, per_ep - f * part)) * cost
             if len(group) == 1:
                 alone[group[0]] += per_ep * cost
-            else:
-                costs += [cost] * per_ep
-                candidates += [group] * per_ep
+        if len(groups[0]) == 1:
+            continue
+        # The owner plan's order (`trainer.muon_owners._plan_order`): in turn over the slice's
+        # holders (efsdp rank i // part), the groups interleaved.
+        for i in sorted(range(per_ep), key=lambda i: (i % part, i // part)):
+            for e, group in enumerate(groups):
+                costs.append(cost)
+                candidates.append(group)
+                holders.append([stage * per_stage + (rep * efsdp + i // part) * ep + e for rep in range(replicate)])
     stage_flops = [0.0] * pp
     for name, shape in matrices:
         stage_flops[_stage_of(name, args.n_layers, pp)] += ns_flops(shape, ns_steps)
@@ -240,11 +247,14 @@ def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: i
     for cost, owner in zip(dense, assign_owners(dense, world, experts)):
         local[owner] += cost
     pooled = list(alone)
-    for cost, owner in zip(dense + costs, assign_owners(dense + costs, world, alone, [None] * len(dense) + candidates)):
+    none = [None] * len(dense)
+    owners = assign_owners(dense + costs, world, alone, none + candidates, none + holders)
+    for cost, owner in zip(dense + costs, owners):
         pooled[owner] += cost
+    moved = sum(owner not in held for owner, held in zip(owners[len(dense):], holders))
     once = sum(dense) + sum(ns_flops(shape, ns_steps) for _, shape in stacks)  # every matrix once
     return {"before": before, "local": local, "pooled": pooled, "experts": experts, "matrices": len(matrices),
-            "expert_matrices": len(costs), "once": once}
+            "expert_matrices": len(costs), "moved": moved, "once": once}
 
 
 def flops_671b() -> list[dict]:
@@ -257,12 +267,12 @@ def flops_671b() -> list[dict]:
     rows = []
     print("| 671B layout, 2048 ranks | every rank its stage's 2-D matrices: TFLOP / rank, max (mean) "
           "| 2-D owned, experts where held: max (mean) | all owned, experts pooled: max (mean) "
-          "| max / mean, pooled | experts held, max |")
-    print("|---|---|---|---|---|---|")
+          "| max / mean, pooled | experts held, max | expert matrices moved / pooled |")
+    print("|---|---|---|---|---|---|---|")
     for name, kw in layouts.items():
         r = layout_flops(args, 2048, **kw)
         row = {"layout": name, "expert_matrices_pooled": r["expert_matrices"], "experts_max": max(r["experts"]),
-               "once": r["once"]}
+               "expert_matrices_moved": r["moved"], "once": r["once"]}
         for k in ("before", "local", "pooled"):
             row[f"{k}_max"], row[f"{k}_mean"] = max(r[k]), sum(r[k]) / len(r[k])
         row["matrices_before_max"] = max(x - y for x, y in zip(r["before"], r["experts"]))
@@ -270,7 +280,8 @@ def flops_671b() -> list[dict]:
         rows.append(row)
         cells = " | ".join(f"{row[f'{k}_max'] / 1e12:.1f} ({row[f'{k}_mean'] / 1e12:.1f})"
                            for k in ("before", "local", "pooled"))
-        print(f"| {name} | {cells} | {row['pooled_max'] / row['pooled_mean']:.2f} | {row['experts_max'] / 1e12:.1f} |")
+        print(f"| {name} | {cells} | {row['pooled_max'] / row['pooled_mean']:.2f} | {row['experts_max'] / 1e12:.1f} "
+              f"| {r['moved']} / {r['expert_matrices']} |")
     return rows
 
 

@@ -54,17 +54,21 @@ def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
 
 def assign_owners(
     costs: Sequence[float], ranks: int, base: Sequence[float] | None = None,
-    candidates: Sequence[Sequence[int] | None] | None = None,
+    candidates: Sequence[Sequence[int] | None] | None = None, holders: Sequence[Sequence[int] | None] | None = None,
 ) -> list[int]:
     """The owner (0 .. ranks-1) of each of the matrices costing `costs`: longest processing time
     first, each to the least-loaded rank among its `candidates` (None: any rank; ties to the lower
     rank, equal costs in their given order), starting from `base` (work the ranks already have).
+    A matrix some ranks hold whole (`holders`, among its candidates) stays with its least-loaded
+    holder while that holder's load is below the least-loaded candidate's plus the matrix's cost
+    (balance gives up at most one more matrix's cost, and a layout that already spreads its
+    experts evenly moves none).
     Deterministic: the same on every rank.
 
     One pass over all matrices, whatever their candidate sets, so a rank that takes a large
     matrix takes fewer of the small ones that only its group may own. One heap per candidate set;
-    an entry goes stale when its rank takes a matrix through another set, and loads only grow, so
-    a stale entry at the top is refreshed before it is used."""
+    an entry goes stale when its rank takes a matrix through another set (or as a holder), and
+    loads only grow, so a stale entry at the top is refreshed before it is used."""
     load = [0.0 if base is None else float(base[r]) for r in range(ranks)]
     heaps: dict[tuple[int, ...] | None, list[tuple[float, int]]] = {}
     owners = [0] * len(costs)
@@ -77,9 +81,13 @@ def assign_owners(
         while heap[0][0] != load[heap[0][1]]:
             heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
         r = heap[0][1]
+        if holders is not None and holders[i]:
+            h = min(holders[i], key=lambda x: (load[x], x))
+            r = h if load[h] < load[r] + costs[i] else r
         owners[i] = r
         load[r] += costs[i]
-        heapq.heapreplace(heap, (load[r], r))
+        if r == heap[0][1]:
+            heapq.heapreplace(heap, (load[r], r))
     return owners
 
 
@@ -202,11 +210,13 @@ class OwnedExchange:
             for key, shape, size, numel, first, pool in entries:
                 catalogue[key] = (shape, size, pool)
                 self.parts_of.setdefault(key, {})[r] = (numel, first)
-        self.keys = sorted(catalogue, key=_plan_order(catalogue))
+        self.keys = sorted(catalogue, key=_plan_order(catalogue, self.parts_of))
         self.shapes = [catalogue[k][0] for k in self.keys]
         self.parts = [self.parts_of[k] for k in self.keys]
         costs = [ns_flops(shape, ns_steps) for shape in self.shapes]
-        self.owners = assign_owners(costs, world, [base for _, base in gathered], [catalogue[k][2] for k in self.keys])
+        pools = [catalogue[k][2] for k in self.keys]
+        held = [None if pool is None else sorted(parts) for pool, parts in zip(pools, self.parts)]
+        self.owners = assign_owners(costs, world, [base for _, base in gathered], pools, held)
         self.buckets = []
         for run in self._runs([catalogue[k][1] for k in self.keys], bucket_bytes):
             plan = self._plan_whole if self.keys[run[0]][0] == 1 else self._plan_parts
@@ -346,16 +356,24 @@ class OwnedExchange:
         return recv, work
 
 
-def _plan_order(catalogue: dict[tuple, tuple]):
+def _plan_order(catalogue: dict[tuple, tuple], parts_of: dict[tuple, dict[int, tuple[int, bool]]]):
     """The sort key of the plan: the 2-D matrices by holders and position, then the expert
-    matrices by stack position and place in their group's slice, the groups interleaved, so that
-    a bucket takes the same experts of every group at once (disjoint ranks) rather than one
-    group's run."""
-    slices: dict[tuple, list[int]] = {}
+    matrices by stack position, place in their slice and group. Places go in turn over the
+    slice's holders (their first experts, then their second ones, ...), so that `assign_owners`,
+    which takes equal costs in plan order, leaves evenly spread experts with their holders; and
+    the groups interleave, so that a bucket takes the same places of every group at once (disjoint
+    ranks) rather than one group's run."""
+    slices: dict[tuple, list[tuple[int, int]]] = {}
     for key in catalogue:
         if key[0] == 1:
-            slices.setdefault(key[1:3], []).append(key[3])
-    place = {(*g, e): i for g, experts in slices.items() for i, e in enumerate(sorted(experts))}
+            slices.setdefault(key[1:3], []).append((min(parts_of[key]), key[3]))
+    place = {}
+    for group, experts in slices.items():
+        runs: dict[int, list[int]] = {}
+        for holder, e in sorted(experts):
+            runs.setdefault(holder, []).append(e)
+        turns = sorted((i, holder, e) for holder, run in runs.items() for i, e in enumerate(run))
+        place.update({(*group, e): i for i, (_, _, e) in enumerate(turns)})
 
     def order(key: tuple) -> tuple:
         return key if key[0] == 0 else (1, key[2], place[key[1:]], key[1])
