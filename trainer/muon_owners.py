@@ -143,7 +143,8 @@ class _Bucket:
     Owner side: `owned` (plan index, offset in the assembled or received buffer, shape),
     `recv_splits`, `back_send_splits`; for parts `gather_idx` (where each received element goes)
     and `scatter_idx` (each holder's part); for whole matrices `back_order` (the owned matrices
-    in the order the holders get them)."""
+    in the order the holders get them), `kept` / `kept_back` (plan index, position in `params`,
+    expert index: owned matrices this rank sends itself, and holds itself) and `silent`."""
 
     send_pieces: list[tuple[int, int | None]] = field(default_factory=list)
     send_splits: list[int] = field(default_factory=list)
@@ -156,6 +157,9 @@ class _Bucket:
     back_send_splits: list[int] = field(default_factory=list)
     back_recv_splits: list[int] = field(default_factory=list)
     back_pieces: list[tuple[int, int | None, torch.Size]] = field(default_factory=list)
+    kept: list[tuple[int, int, int]] = field(default_factory=list)
+    kept_back: list[tuple[int, int, int]] = field(default_factory=list)
+    silent: bool = False
 
 
 class OwnedExchange:
@@ -290,28 +294,48 @@ class OwnedExchange:
         """A bucket of whole expert matrices: no index maps, each matrix from one holder to its
         owner, and its result to every holder. Replicas hold the same update, so the sender is the
         owner itself where it holds the matrix, else its holders in turn: replicas share the
-        sending instead of the first replica's ranks sending every matrix."""
+        sending instead of the first replica's ranks sending every matrix. What an owner holds
+        itself (`kept`, `kept_back`) does not go through the collective, and a bucket in which no
+        rank moves anything (`silent`: experts already spread evenly) makes no collective."""
         b = _Bucket()
         first = {}
         for m in members:
             holders = sorted(self.parts[m])
             first[m] = self.owners[m] if self.owners[m] in self.parts[m] else holders[m % len(holders)]
+        b.silent = all(first[m] == self.owners[m] and len(self.parts[m]) == 1 for m in members)
+        mine = [m for m in members if self.owners[m] == me]
+        b.kept = [(m, *self.local[self.keys[m]]) for m in mine if first[m] == me]
+        b.kept_back = [(m, *self.local[self.keys[m]]) for m in mine if me in self.parts[m]]
         for r in range(world):
-            sent = [m for m in members if self.owners[m] == r and first[m] == me]
+            moved = [] if r == me else members
+            sent = [m for m in moved if self.owners[m] == r and first[m] == me]
             b.send_pieces += [self.local[self.keys[m]] for m in sent]
             b.send_splits.append(sum(math.prod(self.shapes[m]) for m in sent))
-            got = [m for m in members if self.owners[m] == me and first[m] == r]
+            got = [m for m in moved if self.owners[m] == me and first[m] == r]
             for m in got:
                 b.owned.append((m, b.numel, torch.Size(self.shapes[m])))
                 b.numel += math.prod(self.shapes[m])
             b.recv_splits.append(sum(math.prod(self.shapes[m]) for m in got))
-            back = [m for m in members if self.owners[m] == me and r in self.parts[m]]
+            back = [m for m in moved if self.owners[m] == me and r in self.parts[m]]
             b.back_order += back
             b.back_send_splits.append(sum(math.prod(self.shapes[m]) for m in back))
-            results = [m for m in members if self.owners[m] == r and me in self.parts[m]]
+            results = [m for m in moved if self.owners[m] == r and me in self.parts[m]]
             b.back_pieces += [(*self.local[self.keys[m]], torch.Size(self.shapes[m])) for m in results]
             b.back_recv_splits.append(sum(math.prod(self.shapes[m]) for m in results))
         return b
+
+    def _whole_results(self, b: _Bucket, recv: torch.Tensor, updates: Sequence[torch.Tensor], batched):
+        """Each owned expert matrix's result, by plan index: received or held here, one `batched`
+        call per shape."""
+        by_shape: dict[torch.Size, list[tuple[int, torch.Tensor]]] = {}
+        for m, off, shape in b.owned:
+            by_shape.setdefault(shape, []).append((m, recv[off:off + shape.numel()].view(shape)))
+        for m, i, j in b.kept:
+            by_shape.setdefault(torch.Size(self.shapes[m]), []).append((m, updates[i][j].to(self.dtype)))
+        done = {}
+        for items in by_shape.values():
+            done.update(zip((m for m, _ in items), batched(torch.stack([x for _, x in items]))))
+        return done
 
     def run(self, updates: Sequence[torch.Tensor], orthogonalize, batched, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's part of the orthogonalised update (of dtype `dtype`) of each of `params`,
@@ -328,16 +352,20 @@ class OwnedExchange:
             recv, work = pending
             if k + 1 < len(self.buckets):
                 pending = self._send(self.buckets[k + 1], updates)
-            work.wait()
+            if work is not None:
+                work.wait()
             if b.gather_idx is not None:
                 full = recv.new_empty(b.numel)
                 full.index_copy_(0, b.gather_idx, recv)
                 results = [orthogonalize(full[off:off + shape.numel()].view(shape)).reshape(-1) for _, off, shape in b.owned]
                 flat = torch.cat(results).index_select(0, b.scatter_idx) if results else recv.new_empty(0, dtype=dtype)
             else:
-                done = _batched_by_shape(recv, b.owned, batched)
-                flat = torch.cat([done[m] for m in b.back_order]) if b.back_order else recv.new_empty(0, dtype=dtype)
-            back = _exchange(flat, b.back_send_splits, b.back_recv_splits)
+                done = self._whole_results(b, recv, updates, batched)
+                for m, i, j in b.kept_back:
+                    out[i][j].copy_(done[m])
+                flat = (torch.cat([done[m].reshape(-1) for m in b.back_order]) if b.back_order
+                        else recv.new_empty(0, dtype=dtype))
+            back = flat if b.silent else _exchange(flat, b.back_send_splits, b.back_recv_splits)
             pos = 0
             for i, j, shape in b.back_pieces:
                 piece = back[pos:pos + shape.numel()].view(shape)
@@ -352,6 +380,8 @@ class OwnedExchange:
         parts = [(updates[i] if j is None else updates[i][j]).reshape(-1).to(self.dtype) for i, j in b.send_pieces]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         recv = send.new_empty(sum(b.recv_splits))
+        if b.silent:
+            return recv, None
         work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, async_op=True)
         return recv, work
 
@@ -378,16 +408,3 @@ def _plan_order(catalogue: dict[tuple, tuple], parts_of: dict[tuple, dict[int, t
     def order(key: tuple) -> tuple:
         return key if key[0] == 0 else (1, key[2], place[key[1:]], key[1])
     return order
-
-
-def _batched_by_shape(recv: torch.Tensor, owned: list[tuple[int, int, torch.Size]], batched) -> dict[int, torch.Tensor]:
-    """Each owned whole matrix's result (flat), by plan index: one `batched` call per shape."""
-    by_shape: dict[torch.Size, list[tuple[int, int]]] = {}
-    for m, off, shape in owned:
-        by_shape.setdefault(shape, []).append((m, off))
-    done = {}
-    for shape, items in by_shape.items():
-        stack = torch.stack([recv[off:off + shape.numel()].view(shape) for _, off in items])
-        for (m, _), result in zip(items, batched(stack)):
-            done[m] = result.reshape(-1)
-    return done
