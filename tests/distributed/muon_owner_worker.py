@@ -39,7 +39,7 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
     from models.deepseek_v3 import get_flavor
     from tests.helpers import step_trainer
     from trainer.distributed import local_part
-    from trainer.muon_owners import ns_flops
+    from trainer.muon_owners import expert_group, ns_flops
 
     calls: dict[str, list] = {"matrix": [], "stack": []}
     kernels = {"matrix": muon.newton_schulz, "stack": muon.batched_newton_schulz}
@@ -77,6 +77,7 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
             "matrices": sorted(names[id(p)] for p in held if p.ndim == 2),
             "stacks": {names[id(p)]: p.shape[0] for p in held if p.ndim == 3},
             "stacks_alone": len(alone),
+            "expert_groups": sorted({expert_group(p) for p in held if p.ndim == 3 and muon._pooled(p)}),
             "calls": {k: len(v) for k, v in calls.items()},
             "ns_matrices": sum(1 if len(s) == 2 else s[0] for v in calls.values() for s, _ in v),
             "flops": sum(f for v in calls.values() for _, f in v),

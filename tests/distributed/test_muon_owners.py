@@ -53,6 +53,9 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
         assert g["calls"]["stack"] == g["stacks_alone"] + owns_experts
     if layout != "pp_2_dp_shard_2_ep_2":  # there every rank holds its stacks alone
         assert all(g["stacks_alone"] == 0 for g in got) and sum(any(k[0] == 1 for k in g["owned_keys"]) for g in got) > 1
+        # Owners within the expert-parallel slice: the ranks with one ep coordinate (ep fastest).
+        ep = 2 if "ep_2" in layout else 1
+        assert [g["expert_groups"] for g in got] == [[tuple(range(r % ep, 4, ep))] for r in range(4)]
     flops = [g["flops"] for g in got]
     mean = sum(flops) / len(flops)
     print(f"{layout}: NS FLOPs per rank {[f'{f:.3g}' for f in flops]}, max / mean {max(flops) / mean:.3f}")
