@@ -209,14 +209,14 @@ class OwnedExchange:
         gathered = all_gather_objects((mine, base_flops))
         world = len(gathered)
         catalogue: dict[tuple, tuple] = {}
-        self.parts_of: dict[tuple, dict[int, tuple[int, bool]]] = {}
+        parts_of: dict[tuple, dict[int, tuple[int, bool]]] = {}  # key -> {holder: (elements, first replica)}
         for r, (entries, _) in enumerate(gathered):
             for key, shape, size, numel, first, pool in entries:
                 catalogue[key] = (shape, size, pool)
-                self.parts_of.setdefault(key, {})[r] = (numel, first)
-        self.keys = sorted(catalogue, key=_plan_order(catalogue, self.parts_of))
+                parts_of.setdefault(key, {})[r] = (numel, first)
+        self.keys = sorted(catalogue, key=_plan_order(catalogue, parts_of))
         self.shapes = [catalogue[k][0] for k in self.keys]
-        self.parts = [self.parts_of[k] for k in self.keys]
+        self.parts = [parts_of[k] for k in self.keys]
         costs = [ns_flops(shape, ns_steps) for shape in self.shapes]
         pools = [catalogue[k][2] for k in self.keys]
         held = [None if pool is None else sorted(parts) for pool, parts in zip(pools, self.parts)]
@@ -231,6 +231,8 @@ class OwnedExchange:
         return [k for k, o in zip(self.keys, self.owners) if o == dist.get_rank()]
 
     def _runs(self, sizes: list[int], limit: int) -> list[list[int]]:
+        """The buckets: consecutive runs of the plan (element sizes `sizes`) of one kind, within
+        `limit` bytes per rank (see the class docstring), or one matrix."""
         runs: list[list[int]] = []
         owned: dict[int, int] = {}
         held: dict[int, int] = {}
