@@ -199,40 +199,62 @@ def _stage_of(name: str, n_layers: int, pp: int) -> int:
 
 
 def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: int = 5) -> dict:
-    """NS FLOPs per rank, before and after owned NS, for `world` ranks in `pp` stages whose
-    `world / pp` ranks are `replicate` replicas x FSDP (EP `ep` inside), from the shapes of the
-    flavor's Muon parameters."""
+    """NS FLOPs per rank for `world` ranks in `pp` stages whose `world / pp` ranks are `replicate`
+    replicas x FSDP (EP `ep` inside: the expert grid [replicate, efsdp, ep], ep fastest), from the
+    shapes of the flavor's Muon parameters, three ways: `before` (every rank orthogonalises every
+    2-D matrix of its stage, and the experts it holds), `local` (2-D matrices owned, experts where
+    they are held) and `pooled` (every matrix owned, each expert within its expert-parallel slice:
+    what `trainer.muon_owners.OwnedExchange` does, by the same `assign_owners`)."""
     from trainer.muon_owners import assign_owners, ns_flops
 
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     names = {id(p): n for n, p in model.named_parameters()}
     per_stage = world // pp
-    shard = per_stage // replicate  # FSDP ranks of one replica (dp_shard), EP inside: efsdp = shard / ep
-    efsdp = shard // ep
+    efsdp = per_stage // replicate // ep
     matrices = [(names[id(p)], tuple(p.shape)) for p in muon_params(model) if p.ndim == 2]
     stacks = [(names[id(p)], tuple(p.shape)) for p in muon_params(model) if p.ndim == 3]
-    experts = [0.0] * world
-    for rank in range(world):
-        stage, local = divmod(rank, per_stage)
-        efsdp_rank = (local % shard) % efsdp  # this rank's place among the efsdp ranks of its EP rank
-        for name, (n, a_, b_) in stacks:
-            if _stage_of(name, args.n_layers, pp) != stage:
-                continue
-            # n / ep experts per EP rank, dim-0 sharded again over efsdp (torch.chunk: ceil-sized parts).
-            per_ep = n // ep
-            part = -(-per_ep // efsdp)
-            held = max(0, min(part, per_ep - efsdp_rank * part))
-            experts[rank] += held * ns_flops((a_, b_), ns_steps)
+    experts = [0.0] * world  # held: dim-0 shards of the EP rank's n / ep experts over efsdp (torch.chunk)
+    costs, candidates, holders = [], [], []  # pooled expert matrices, the ranks of their slice, their holders
+    alone = [0.0] * world  # stacks whose slice is one rank: they stay there
+    for name, (n, a_, b_) in stacks:
+        stage = _stage_of(name, args.n_layers, pp)
+        per_ep, cost = n // ep, ns_flops((a_, b_), ns_steps)
+        part = -(-per_ep // efsdp)
+        groups = [[stage * per_stage + (rep * efsdp + f) * ep + e for rep in range(replicate) for f in range(efsdp)]
+                  for e in range(ep)]
+        for e, group in enumerate(groups):
+            for rank in group:
+                f = (rank - stage * per_stage) // ep % efsdp
+                experts[rank] += max(0, min(part, per_ep - f * part)) * cost
+            if len(group) == 1:
+                alone[group[0]] += per_ep * cost
+        if len(groups[0]) == 1:
+            continue
+        # The owner plan's order (`trainer.muon_owners._plan_order`): in turn over the slice's
+        # holders (efsdp rank i // part), the groups interleaved.
+        for i in sorted(range(per_ep), key=lambda i: (i % part, i // part)):
+            for e, group in enumerate(groups):
+                costs.append(cost)
+                candidates.append(group)
+                holders.append([stage * per_stage + (rep * efsdp + i // part) * ep + e for rep in range(replicate)])
     stage_flops = [0.0] * pp
     for name, shape in matrices:
         stage_flops[_stage_of(name, args.n_layers, pp)] += ns_flops(shape, ns_steps)
     before = [experts[r] + stage_flops[r // per_stage] for r in range(world)]
-    costs = [ns_flops(shape, ns_steps) for _, shape in matrices]
-    after = list(experts)
-    for cost, owner in zip(costs, assign_owners(costs, world, experts)):
-        after[owner] += cost
-    return {"before": before, "after": after, "experts": experts, "matrices": len(matrices)}
+    dense = [ns_flops(shape, ns_steps) for _, shape in matrices]
+    local = list(experts)
+    for cost, owner in zip(dense, assign_owners(dense, world, experts)):
+        local[owner] += cost
+    pooled = list(alone)
+    none = [None] * len(dense)
+    owners = assign_owners(dense + costs, world, alone, none + candidates, none + holders)
+    for cost, owner in zip(dense + costs, owners):
+        pooled[owner] += cost
+    moved = sum(owner not in held for owner, held in zip(owners[len(dense):], holders))
+    once = sum(dense) + sum(ns_flops(shape, ns_steps) for _, shape in stacks)  # every matrix once
+    return {"before": before, "local": local, "pooled": pooled, "experts": experts, "matrices": len(matrices),
+            "expert_matrices": len(costs), "moved": moved, "once": once}
 
 
 def flops_671b() -> list[dict]:
@@ -243,20 +265,23 @@ def flops_671b() -> list[dict]:
         "HSDP 16 x 128 (EP 64)": dict(pp=1, ep=64, replicate=16),
     }
     rows = []
-    print("| 671B layout, 2048 ranks | before: TFLOP / rank, max (mean) | after: max (mean) | max before / after "
-          "| experts alone, max | 2-D matrices alone, max before / after |")
-    print("|---|---|---|---|---|---|")
+    print("| 671B layout, 2048 ranks | every rank its stage's 2-D matrices: TFLOP / rank, max (mean) "
+          "| 2-D owned, experts where held: max (mean) | all owned, experts pooled: max (mean) "
+          "| max / mean, pooled | experts held, max | expert matrices moved / pooled |")
+    print("|---|---|---|---|---|---|---|")
     for name, kw in layouts.items():
         r = layout_flops(args, 2048, **kw)
-        b, a, e = r["before"], r["after"], r["experts"]
-        dense_before = max(x - y for x, y in zip(b, e))
-        dense_after = max(x - y for x, y in zip(a, e))
-        rows.append({"layout": name, "before_max": max(b), "before_mean": sum(b) / len(b), "after_max": max(a),
-                     "after_mean": sum(a) / len(a), "experts_max": max(e), "matrices_before_max": dense_before,
-                     "matrices_after_max": dense_after})
-        print(f"| {name} | {max(b) / 1e12:.0f} ({sum(b) / len(b) / 1e12:.0f}) | {max(a) / 1e12:.0f} "
-              f"({sum(a) / len(a) / 1e12:.0f}) | {max(b) / max(a):.1f}x | {max(e) / 1e12:.0f} "
-              f"| {dense_before / 1e12:.0f} / {dense_after / 1e12:.1f} |")
+        row = {"layout": name, "expert_matrices_pooled": r["expert_matrices"], "experts_max": max(r["experts"]),
+               "expert_matrices_moved": r["moved"], "once": r["once"]}
+        for k in ("before", "local", "pooled"):
+            row[f"{k}_max"], row[f"{k}_mean"] = max(r[k]), sum(r[k]) / len(r[k])
+        row["matrices_before_max"] = max(x - y for x, y in zip(r["before"], r["experts"]))
+        row["matrices_local_max"] = max(x - y for x, y in zip(r["local"], r["experts"]))
+        rows.append(row)
+        cells = " | ".join(f"{row[f'{k}_max'] / 1e12:.1f} ({row[f'{k}_mean'] / 1e12:.1f})"
+                           for k in ("before", "local", "pooled"))
+        print(f"| {name} | {cells} | {row['pooled_max'] / row['pooled_mean']:.2f} | {row['experts_max'] / 1e12:.1f} "
+              f"| {r['moved']} / {r['expert_matrices']} |")
     return rows
 
 

@@ -13,10 +13,14 @@ it is given; here parameters are FSDP2 dim-0 shards (DTensors), TP shards, and `
 stacks, so only its Newton-Schulz kernel and constants are reused and the step is this module's:
 
 * a routed-expert stack is sharded on its expert dim only (EP, and FSDP over efsdp shards dim 0
-  again): every rank holds whole expert matrices and orthogonalises its own experts in one
-  batched call, no communication; the work is spread over the expert owners.
+  again), so its matrices are whole wherever they are held. A stack a rank holds whole and alone
+  (no efsdp shard, no replica) is orthogonalised there in one batched call, no communication.
+  Where several ranks hold the stack's expert-parallel slice (efsdp shards, replicas), each of its
+  expert matrices is orthogonalised once, by an owner among those ranks (trainer/muon_owners.py):
+  efsdp can exceed the experts per EP rank, leaving ranks with none, and replicas would each
+  repeat their experts.
 * any other matrix held by several ranks (sharded or replicated) is orthogonalised once, by its
-  owner among them (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
+  owner among all ranks (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
   gets back its part of the result. The owner's matrix is the gathered one, so the update is one
   process's.
 
@@ -40,7 +44,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_v
 
 from models.moe.experts import GroupedExperts
 from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
-from trainer.muon_owners import OwnedExchange, consecutive_runs, ns_flops
+from trainer.muon_owners import OwnedExchange, consecutive_runs, expert_group, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -131,6 +135,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self.chunk_numel = chunk_numel
         self._exchanges: dict[int, OwnedExchange] = {}
+        self._pooled: dict[int, list[torch.Tensor]] = {}  # per param group: its `_pooled` parameters
         self.register_load_state_dict_post_hook(_restore_state_dtype)
 
     BUFFERS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -178,37 +183,43 @@ class MuonAdamW(torch.optim.Optimizer):
             weight.add_(ortho, alpha=-lr * rms_matched_scale(p.shape))
 
     def _orthogonalize(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each parameter's part of its orthogonalised update. A plain tensor or a stack of whole
-        expert matrices: here. A 2-D DTensor held by several ranks (sharded or replicated): on its
-        owner (`trainer.muon_owners`), with every such matrix of the group, whether or not this
-        step gave it a gradient (zeros then, and the result unused): all ranks agree on what moves.
-        A stack sharded inside its matrices (not a layout this trainer makes): gathered here."""
+        """Each parameter's part of its orthogonalised update. A plain tensor, or a stack of whole
+        expert matrices this rank holds alone: here. A matrix held by several ranks (a 2-D DTensor
+        sharded or replicated, an expert matrix of a stack sharded or replicated within its
+        `expert_group`): on its owner (`trainer.muon_owners`), with every such matrix of the group,
+        whether or not this step gave it a gradient (zeros then, and the result unused): all ranks
+        agree on what moves. A stack sharded inside its matrices (not a layout this trainer
+        makes): gathered here."""
         steps, dtype = group["ns_steps"], self.ns_dtype
+        key = self.param_groups.index(group)
+        if key not in self._pooled:  # once: telling a pooled stack reads its mesh's ranks
+            self._pooled[key] = [p for p in group["params"] if _pooled(p)]
+        pooled = self._pooled[key]
+        ids = {id(p) for p in pooled}
         out: dict[int, torch.Tensor] = {}
         for p, update in zip(params, updates):
-            if _shared_matrix(p):
+            if id(p) in ids:
                 continue
             if holds_whole_matrices(p):
                 out[id(p)] = orthogonalize(update, steps, dtype)
             else:
                 out[id(p)] = local_part(orthogonalize(full_from_local(update, p), steps, dtype), p)
-        shared = [p for p in group["params"] if _shared_matrix(p)]
-        if shared:
+        if pooled:
             given = {id(p): u for p, u in zip(params, updates)}
-            moved = [given[id(p)] if id(p) in given else torch.zeros_like(local_tensor(p)) for p in shared]
-            parts = self._exchange(group, shared).run(moved, lambda m: newton_schulz(m, steps, dtype), dtype)
-            out.update(zip(map(id, shared), parts))
+            moved = [given[id(p)] if id(p) in given else torch.zeros_like(local_tensor(p)) for p in pooled]
+            parts = self._exchange(key, group, pooled).run(
+                moved, lambda m: newton_schulz(m, steps, dtype), lambda s: batched_newton_schulz(s, steps, dtype), dtype)
+            out.update(zip(map(id, pooled), parts))
         return [out[id(p)] for p in params]
 
-    def _exchange(self, group: dict, shared: list[DTensor]) -> OwnedExchange:
-        """The owner plan of the group's shared matrices, built at its first step (a collective of
+    def _exchange(self, key: int, group: dict, pooled: list[DTensor]) -> OwnedExchange:
+        """The owner plan of the group's pooled matrices, built at its first step (a collective of
         all ranks) and kept: owners and index maps depend only on shapes and placements. The NS
-        work a rank does anyway (its expert stacks) is balanced against."""
-        key = self.param_groups.index(group)
+        work a rank does anyway (stacks it holds alone, plain matrices) is balanced against."""
         if key not in self._exchanges:
-            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"]
-                       if not _shared_matrix(p))
-            self._exchanges[key] = OwnedExchange(shared, base, group["ns_steps"], self.bucket_bytes)
+            ids = {id(p) for p in pooled}
+            base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"] if id(p) not in ids)
+            self._exchanges[key] = OwnedExchange(pooled, base, group["ns_steps"], self.bucket_bytes)
         return self._exchanges[key]
 
     def _adamw_(self, params: list[torch.Tensor], group: dict) -> None:
@@ -245,9 +256,15 @@ def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
     return [[params[i] for i in run] for run in consecutive_runs([local_tensor(p).numel() for p in params], numel)]
 
 
-def _shared_matrix(p: torch.Tensor) -> bool:
-    """A 2-D DTensor on a mesh of several ranks: its NS runs once, on its owner."""
-    return isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.size() > 1
+def _pooled(p: torch.Tensor) -> bool:
+    """Whether `p`'s matrices are orthogonalised on owners (`trainer.muon_owners`): a 2-D DTensor
+    on a mesh of several ranks, or an expert stack of whole matrices whose `expert_group` has
+    several ranks (efsdp shards, replicas). A stack each rank holds whole and alone stays here."""
+    if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
+        return False
+    if p.ndim == 2:
+        return True
+    return p.ndim == 3 and holds_whole_matrices(p) and len(expert_group(p)) > 1
 
 
 def _restore_state_dtype(optimizer: MuonAdamW) -> None:

@@ -14,19 +14,32 @@ from pathlib import Path
 
 import torch
 
+# name: (parallelism flags, routed experts of the debug model: None = its own 8)
 LAYOUTS = {
-    "dp_shard_4": ["--parallelism.dp_shard", "4"],
-    "pp_2_dp_shard_2_ep_2": ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"],
+    "dp_shard_4": (["--parallelism.dp_shard", "4"], None),
+    "pp_2_dp_shard_2_ep_2": (["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"], None),
+    # Replicas of sharded stacks: each expert matrix is held by two ranks, owned by one of four.
+    # (HSDP x EP builds here alone, but not after or before another layout in the same processes:
+    # the expert stacks' weight init then resolves a process group of another world. Its
+    # placements are in `_placements`.)
+    "hsdp_2x2": (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"], None),
+    # efsdp 2 over one expert per EP rank: one of the two efsdp ranks holds it, both orthogonalise.
+    "dp_shard_4_ep_2_two_experts": (["--parallelism.dp_shard", "4", "--parallelism.ep", "2"], 2),
 }
 
 
-def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str]) -> dict:
+def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str], experts: int | None) -> dict:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
+    import dataclasses
+
+    import trainer.model_args as model_args
     import trainer.muon as muon
+    from models.deepseek_v3 import get_flavor
     from tests.helpers import step_trainer
-    from trainer.muon_owners import ns_flops
+    from trainer.distributed import local_part
+    from trainer.muon_owners import expert_group, ns_flops
 
     calls: dict[str, list] = {"matrix": [], "stack": []}
     kernels = {"matrix": muon.newton_schulz, "stack": muon.batched_newton_schulz}
@@ -37,7 +50,14 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
             return kernels[kind](x, steps, dtype)
         return run
 
+    def flavor(name):
+        args = get_flavor(name)
+        moe = dataclasses.replace(args.moe, num_experts=experts, num_expert_groups=1, num_limited_groups=1)
+        return dataclasses.replace(args, moe=moe)
+
     muon.newton_schulz, muon.batched_newton_schulz = counted("matrix"), counted("stack")
+    if experts is not None:
+        model_args.get_flavor = flavor
     trainer = step_trainer(workdir, "--optimizer.name", "muon", "--optimizer.muon_ns_dtype", "float32",
                            "--training.device", "cpu", "--training.local_batch_size", "4", *flags)
     try:
@@ -45,57 +65,92 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
         held = [p for g in trainer.optimizer.param_groups if g["muon"] for p in g["params"]]
         trainer.step = 1
         stats = trainer.train_step(trainer.next_microbatches()[0])
+        (exchange,) = trainer.optimizer._exchanges.values()
+        # What this rank orthogonalised, by name: its owned matrices (named by their holders, in
+        # the test) and the stacks it holds alone (each expert).
+        alone = [p for p in held if p.ndim == 3 and not muon._pooled(p)]
+        local_experts = [(names[id(p)], e) for p in alone
+                         for e in (local_part(torch.arange(p.shape[0]), p).tolist() if hasattr(p, "device_mesh")
+                                   else range(p.shape[0]))]
         return {
             "loss": stats["loss"],
             "matrices": sorted(names[id(p)] for p in held if p.ndim == 2),
-            "stacks": sum(p.ndim == 3 for p in held),
+            "stacks": {names[id(p)]: p.shape[0] for p in held if p.ndim == 3},
+            "stacks_alone": len(alone),
+            "expert_groups": sorted({expert_group(p) for p in held if p.ndim == 3 and muon._pooled(p)}),
             "calls": {k: len(v) for k, v in calls.items()},
+            "ns_matrices": sum(1 if len(s) == 2 else s[0] for v in calls.values() for s, _ in v),
             "flops": sum(f for v in calls.values() for _, f in v),
+            "named_keys": {key: names[id(exchange.params[i])] if j is None else (names[id(exchange.params[i])], key[3])
+                           for key, (i, j) in exchange.local.items()},
+            "owned_keys": exchange.owned_keys(),
+            "local_experts": local_experts,
         }
     finally:
         muon.newton_schulz, muon.batched_newton_schulz = kernels["matrix"], kernels["stack"]
+        model_args.get_flavor = get_flavor
         trainer.close()
 
 
 def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     """Two Muon steps on matrices of odd shapes in each placement the trainer's layouts give a
-    2-D parameter (FSDP, HSDP, FSDP x TP by rows and columns, FSDP over TP's dim, replicated),
-    small buckets: whether each layout's weights equal one process's bitwise."""
+    2-D parameter (FSDP, HSDP, FSDP x TP by rows and columns, FSDP over TP's dim, replicated) and
+    an expert stack (FSDP over all ranks with an empty shard; efsdp 2 x EP 2 with one expert per EP
+    rank, so one efsdp rank holds none; HSDP 2 x EP 2, replicas holding whole experts), small
+    buckets: whether each layout's weights equal one process's bitwise, every expert matrix of a
+    stack having gone through the owner plan (pooled expert matrices are orthogonalised on owners,
+    several to a batched call, where one process runs each whole stack in one call)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from trainer.diagnostics import init_local_gloo
+    from trainer.diagnostics import HostReadCounter, init_local_gloo
     from trainer.muon import MuonAdamW
 
     init_local_gloo(rank, world, port)
-    shapes = [(24, 40), (7, 9), (33, 16), (5, 64), (64, 8)]
     gen = torch.Generator().manual_seed(0)
-    w0 = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
     flat, grid = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    expert_grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    expert_hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    efsdp_ep = [_StridedShard(0, split_factor=2), Shard(0)]
+    matrices = [(24, 40), (7, 9), (33, 16), (5, 64), (64, 8)]
+    # name: (mesh, placements, shapes)
     layouts = {
-        "fsdp": (flat, [Shard(0)]), "hsdp": (grid, [Replicate(), Shard(0)]), "fsdp_tp_rows": (grid, [Shard(0), Shard(1)]),
-        "fsdp_over_tp": (grid, [_StridedShard(0, split_factor=2), Shard(0)]), "replicated": (flat, [Replicate()]),
+        "fsdp": (flat, [Shard(0)], matrices),
+        "hsdp": (grid, [Replicate(), Shard(0)], matrices),
+        "fsdp_tp_rows": (grid, [Shard(0), Shard(1)], matrices),
+        "fsdp_over_tp": (grid, [_StridedShard(0, split_factor=2), Shard(0)], matrices),
+        "replicated": (flat, [Replicate()], matrices),
+        "experts_fsdp": (flat, [Shard(0)], [(6, 24, 40), (6, 7, 9), (6, 33, 16)]),
+        "experts_efsdp_2_ep_2": (expert_grid, efsdp_ep, [(2, 24, 40), (2, 33, 16)]),
+        "experts_hsdp_2_ep_2": (expert_hsdp, [Replicate(), *efsdp_ep], [(6, 7, 9), (6, 40, 24)]),
     }
     kw = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, ns_dtype=torch.float32)
 
-    def trained(place) -> list[torch.Tensor]:
+    def trained(place, w0, grads) -> tuple[list[torch.Tensor], int]:
+        """The weights after two steps, and the expert matrices the owner plan moves (-1 where the
+        second step read a tensor's value on the host)."""
         params = [nn.Parameter(place(w.clone())) for w in w0]
         opt = MuonAdamW([{"params": params, "muon": True}], bucket_bytes=4000, **kw)  # several buckets
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = place(g.clone())
-            opt.step()
-        return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+            with HostReadCounter("cpu") as reads:  # the second step (the plan exists) reads nothing
+                opt.step()
+        pooled = sum(key[0] == 1 for plan in opt._exchanges.values() for key in plan.keys)
+        weights = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+        return weights, pooled if not reads.reads else -1
 
-    want = trained(lambda t: t)
     out = {}
-    for name, (mesh, placements) in layouts.items():
-        got = trained(lambda t: distribute_tensor(t, mesh, placements, src_data_rank=None))
-        out[name] = all(torch.equal(a, b) for a, b in zip(got, want))
+    for name, (mesh, placements, shapes) in layouts.items():
+        w0 = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+        want, _ = trained(lambda t: t, w0, grads)
+        got, pooled = trained(lambda t: distribute_tensor(t, mesh, placements, src_data_rank=None), w0, grads)
+        stacked = sum(s[0] for s in shapes if len(s) == 3)
+        out[name] = all(torch.equal(a, b) for a, b in zip(got, want)) and pooled == stacked
     dist.destroy_process_group()
     return out
 
@@ -103,7 +158,7 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
 def run(rank: int, world: int, port: int, workdir: str, ports: list[int], queue) -> None:
     torch.set_num_threads(1)
     out = {"rank": rank}
-    for (name, flags), layout_port in zip(LAYOUTS.items(), (port, *ports)):
-        out[name] = _one_layout(rank, world, layout_port, Path(workdir) / name, flags)
+    for (name, (flags, experts)), layout_port in zip(LAYOUTS.items(), (port, *ports)):
+        out[name] = _one_layout(rank, world, layout_port, Path(workdir) / name, flags, experts)
     out["placements"] = _placements(rank, world, ports[-1])
     queue.put(out)

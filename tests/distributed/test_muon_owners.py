@@ -1,15 +1,23 @@
 """Each Muon matrix is orthogonalised once (issue 32): one training step of the real trainer on 4
-gloo ranks under `dp_shard 4` and under `pp 2 x dp_shard 2 x ep 2`, counting every rank's
-Newton-Schulz calls (tests/distributed/muon_owner_worker.py).
+gloo ranks under `dp_shard 4`, `pp 2 x dp_shard 2 x ep 2`, HSDP 2x2 (replicas of sharded expert
+stacks) and `dp_shard 4 x ep 2` with two routed experts (efsdp 2 over one expert per EP rank, so
+one efsdp rank of each pair holds none), counting every rank's Newton-Schulz calls
+(tests/distributed/muon_owner_worker.py).
 
-The calls summed over the ranks are the model's 2-D Muon matrices, each once (its owner's), plus
-one batched call per local expert stack on every rank; the busiest rank's NS FLOPs (expert stacks
-included) stay within 25% of the mean (printed): owners are balanced over all ranks, so the pipeline
-stage with more matrices hands some to the other stage's ranks. In the same processes, two Muon
-steps in each placement a 2-D parameter gets (FSDP, HSDP, FSDP x TP, FSDP over TP's dim,
-replicated) give one process's weights bitwise."""
+What counts: a matrix is one 2-D matrix or one expert of a stack `[E, A, B]`. A call is one
+`newton_schulz` (a 2-D matrix on its owner) or one `batched_newton_schulz`: a stack a rank holds
+alone (pp 2 x dp_shard 2 x ep 2: efsdp 1, no replica), or the expert matrices one owner
+orthogonalises in one bucket, one call per shape (the debug model's experts are all 128 x 128
+and fit one bucket: one call per owning rank). Over the world, every matrix, expert matrices
+included, is orthogonalised by exactly one rank (named from the owner plans and the stacks held
+alone; the kernels' batch sizes add up to each rank's share); the busiest rank's NS FLOPs stay
+within 25% of the mean (printed): owners are balanced over all ranks, experts within their
+expert-parallel slice. In the same processes, two Muon steps in each placement a 2-D parameter
+or an expert stack gets give one process's weights bitwise."""
 
 from __future__ import annotations
+
+import collections
 
 import muon_owner_worker
 import pytest
@@ -20,22 +28,34 @@ from trainer.diagnostics import free_port, spawn_local
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     workdir = tmp_path_factory.mktemp("muon_owners")
-    out = spawn_local(muon_owner_worker.run, 4, str(workdir), [free_port(), free_port()], timeout=300)
+    ports = [free_port() for _ in muon_owner_worker.LAYOUTS]
+    out = spawn_local(muon_owner_worker.run, 4, str(workdir), ports, timeout=300)
     return sorted(out, key=lambda r: r["rank"])
 
 
-@pytest.mark.slow  # 4 ranks build the trainer twice
+@pytest.mark.slow  # 4 ranks build the trainer four times
 @pytest.mark.parametrize("layout", list(muon_owner_worker.LAYOUTS))
 def test_each_matrix_is_orthogonalised_once(ranks, layout):
     got = [r[layout] for r in ranks]
     assert len(got) == 4 and all(g["loss"] > 0 for g in got)
     matrices = set().union(*(g["matrices"] for g in got))  # every stage's, each named once
+    stacks = {name: n for g in got for name, n in g["stacks"].items()}
+    experts = {(name, e) for name, n in stacks.items() for e in range(n)}
+    named = {key: name for g in got for key, name in g["named_keys"].items()}
+    done = collections.Counter(m for g in got for m in [named[k] for k in g["owned_keys"]] + g["local_experts"])
+    assert set(done) == matrices | experts and set(done.values()) == {1}, done.most_common(3)
     assert sum(g["calls"]["matrix"] for g in got) == len(matrices) > 0
     for g in got:
-        # A share only (owners are balanced over all ranks, also across pipeline stages), and one
-        # batched call per local expert stack.
+        # A share only (owners are balanced over all ranks, also across pipeline stages)
         assert 0 < g["calls"]["matrix"] < len(matrices)
-        assert g["calls"]["stack"] == g["stacks"] > 0
+        assert g["ns_matrices"] == len(g["owned_keys"]) + len(g["local_experts"])
+        owns_experts = any(k[0] == 1 for k in g["owned_keys"])
+        assert g["calls"]["stack"] == g["stacks_alone"] + owns_experts
+    if layout != "pp_2_dp_shard_2_ep_2":  # there every rank holds its stacks alone
+        assert all(g["stacks_alone"] == 0 for g in got) and sum(any(k[0] == 1 for k in g["owned_keys"]) for g in got) > 1
+        # Owners within the expert-parallel slice: the ranks with one ep coordinate (ep fastest).
+        ep = 2 if "ep_2" in layout else 1
+        assert [g["expert_groups"] for g in got] == [[tuple(range(r % ep, 4, ep))] for r in range(4)]
     flops = [g["flops"] for g in got]
     mean = sum(flops) / len(flops)
     print(f"{layout}: NS FLOPs per rank {[f'{f:.3g}' for f in flops]}, max / mean {max(flops) / mean:.3f}")
@@ -45,4 +65,4 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
 @pytest.mark.slow
 def test_every_placement_gives_one_process_weights_bitwise(ranks):
     for r in ranks:
-        assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 5, r["placements"]
+        assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 8, r["placements"]

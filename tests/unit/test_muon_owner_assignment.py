@@ -36,3 +36,25 @@ def test_owned_flops_sum_to_the_whole_and_fall_with_the_group(ranks):
     assert len(per_rank) == ranks
     assert sum(per_rank) == pytest.approx(sum(ns_flops(s, 5) for s in shapes))
     assert max(per_rank) <= sum(per_rank) / ranks + max(ns_flops(s, 5) for s in shapes)
+
+
+def test_candidates_confine_owners_in_one_pass():
+    # Two groups of two ranks for the small matrices, any rank for the large one: the rank that
+    # takes the large matrix takes fewer small ones of its group.
+    costs = [4.0] + [1.0] * 8
+    candidates = [None] + [(0, 1)] * 4 + [(2, 3)] * 4
+    owners = assign_owners(costs, 4, candidates=candidates)
+    assert owners == assign_owners(list(costs), 4, candidates=list(candidates))
+    assert all(o in c for o, c in zip(owners[1:], candidates[1:]))
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    assert owners[0] == 0 and loads == [4.0, 4.0, 2.0, 2.0]
+
+
+def test_held_matrices_stay_with_their_holders_unless_that_unbalances():
+    # Eight equal matrices, four held by rank 0 and four by rank 1, in turn over their holders (the
+    # owner plan's order): balanced already, none moves. Eight held by rank 0 alone, any of four
+    # ranks may own them: they spread evenly, rank 0 keeping its share.
+    costs = [1.0] * 8
+    assert assign_owners(costs, 2, holders=[[0], [1]] * 4) == [0, 1] * 4
+    owners = assign_owners(costs, 4, holders=[[0]] * 8)
+    assert [owners.count(r) for r in range(4)] == [2, 2, 2, 2] and owners[0] == 0
