@@ -230,9 +230,14 @@ def holds_whole_matrices(p: torch.Tensor) -> bool:
     return all(isinstance(pl, Replicate) or (is_shard(pl) and pl.dim == 0) for pl in p.placements)
 
 
-def mesh_ranks(mesh) -> list[int]:
-    """The global ranks of a DeviceMesh, ascending (a process group's rank order)."""
-    return sorted(mesh.mesh.flatten().tolist())
+def mesh_ranks(mesh, same_as_me: str | None = None) -> list[int]:
+    """The global ranks of a DeviceMesh, ascending (a process group's rank order); with
+    ``same_as_me``, a dim name, only those whose coordinate on it is this rank's."""
+    ranks = mesh.mesh
+    if same_as_me is not None:
+        dim = mesh.mesh_dim_names.index(same_as_me)
+        ranks = ranks.select(dim, mesh.get_coordinate()[dim])
+    return sorted(ranks.flatten().tolist())
 
 
 def is_first_replica(p: DTensor) -> bool:

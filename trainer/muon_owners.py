@@ -130,8 +130,7 @@ def expert_group(p: DTensor) -> tuple[int, ...]:
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
         return tuple(mesh_ranks(mesh))
-    dim = names.index("ep")
-    return tuple(sorted(mesh.mesh.select(dim, mesh.get_coordinate()[dim]).flatten().tolist()))
+    return tuple(mesh_ranks(mesh, same_as_me="ep"))
 
 
 @dataclass

@@ -58,6 +58,14 @@ def test_ignored_inputs_are_refused(argv, words):
         assert w in message
 
 
+def test_dry_run_refuses_muon_beyond_one_rank():
+    message = error(["--job.dry_run", "--optimizer.name", "muon", "--dry_run.world_size", "8"])
+    assert "\n" not in message
+    assert "cannot rehearse optimizer.name = 'muon' at dry_run.world_size = 8" in message
+    assert "--optimizer.name adamw" in message
+    load_config(["--job.dry_run", "--optimizer.name", "muon", "--dry_run.world_size", "1"])
+
+
 def test_inputs_that_are_used_pass():
     load_config(["--training.dataset", "json", "--training.dataset_path", "x.jsonl"])
     load_config(["--training.dataset", "json", "--training.dataset_path", "x.jsonl", "--validation.dataset_path", "v.jsonl"])

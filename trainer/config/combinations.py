@@ -63,6 +63,14 @@ def combination_problems(cfg: Any) -> list[str]:
             "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
             "drop --training.compile."
         )
+    if cfg.job.dry_run and cfg.optimizer.name == "muon" and cfg.dry_run.world_size > 1:
+        # trainer/muon_owners.py: OwnedExchange's plan gathers the other ranks' shard layouts.
+        problems.append(
+            f"job.dry_run cannot rehearse optimizer.name = 'muon' at dry_run.world_size = {cfg.dry_run.world_size}: "
+            "Muon's owner plan asks the other ranks where their shards sit, which the fake process group cannot "
+            "answer; rehearse with --optimizer.name adamw (the layout, activations and collectives are the same) or "
+            "--dry_run.world_size 1."
+        )
     problems += _moe_overlap_problems(cfg)
     return problems
 
