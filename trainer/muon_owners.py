@@ -141,7 +141,9 @@ class _Bucket:
     results `back_recv_splits` and `back_pieces` (position, expert index, shape) in arrival order.
     Owner side: `owned` (plan index, offset in the assembled or received buffer, shape),
     `recv_splits`, `back_send_splits`; for parts `gather_idx` (where each received element goes)
-    and `scatter_idx` (each holder's part); for whole matrices `back_order` (the owned matrices
+    and `scatter_idx` / `scatter_spans` (each distinct part once, and where parts repeat, each
+    holder's part as a span of those: replicas hold the same part, so the maps stay the matrix's
+    size however many replicas there are); for whole matrices `back_order` (the owned matrices
     in the order the holders get them), `kept` / `kept_back` (plan index, position in `params`,
     expert index: owned matrices this rank sends itself, and holds itself) and `silent`."""
 
@@ -152,6 +154,7 @@ class _Bucket:
     numel: int = 0
     gather_idx: torch.Tensor | None = None
     scatter_idx: torch.Tensor | None = None
+    scatter_spans: list[tuple[int, int]] | None = None
     back_order: list[int] = field(default_factory=list)
     back_send_splits: list[int] = field(default_factory=list)
     back_recv_splits: list[int] = field(default_factory=list)
@@ -258,8 +261,10 @@ class OwnedExchange:
         held_by = [[m for m in members if self.owners[m] == me and r in self.parts[m]] for r in range(world)]
         order = [m for r in range(world) for m in to[r]]
         local = {m: self.params[self.local[self.keys[m]][0]] for m in order}
-        indices = [local_flat_indices(local[m]) for m in order]
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Each element's place within its matrix; int32 where the matrices allow, to halve what moves.
+        wire = torch.int32 if all(math.prod(self.shapes[m]) < 2**31 for m in members) else torch.int64
+        indices = [local_flat_indices(local[m]).to(wire) for m in order]
+        empty = torch.empty(0, dtype=wire, device=self.device)
         sent = [sum(self.parts[m][me][0] for m in to[r]) for r in range(world)]
         got_idx = _exchange(torch.cat(indices) if indices else empty, sent,
                             [sum(self.parts[m][r][0] for m in held_by[r]) for r in range(world)])
@@ -270,21 +275,36 @@ class OwnedExchange:
                 shape = torch.Size(self.shapes[m])
                 b.owned.append((m, b.numel, shape))
                 b.numel += shape.numel()
-        gather, scatter, pos = [], [], 0
+        # int32 where it reaches: the maps are kept for the run (a 671B `wo` is 117M elements).
+        index_dtype = torch.int32 if b.numel < 2**31 else torch.int64
+        gather, distinct, pos = [], [], 0
+        b.scatter_spans, starts, size = [], {}, 0
         for r in range(world):
             gathered = 0
             for m in held_by[r]:
                 n, is_first = self.parts[m][r]
-                part = got_idx[pos:pos + n] + offsets[m]
+                part = (got_idx[pos:pos + n].long() + offsets[m]).to(index_dtype)
                 pos += n
-                scatter.append(part)
+                # A replica's part is another holder's: found by its ends, confirmed whole.
+                key = (m, n, *(part[[0, -1]].tolist() if n else ()))
+                start = next((a for a, t in starts.get(key, ()) if torch.equal(t, part)), None)
+                if start is None:
+                    start, size = size, size + n
+                    starts.setdefault(key, []).append((start, part))
+                    distinct.append(part)
+                b.scatter_spans.append((start, n))
                 if is_first:
                     gather.append(part)
                     gathered += n
             b.recv_splits.append(gathered)
             b.back_send_splits.append(sum(self.parts[m][r][0] for m in held_by[r]))
-        b.gather_idx = torch.cat(gather) if gather else empty
-        b.scatter_idx = torch.cat(scatter) if scatter else empty
+        empty = empty.to(index_dtype)
+        b.scatter_idx = torch.cat(distinct) if distinct else empty
+        # The first replicas' parts are usually the distinct ones, in order: then one map serves both.
+        same = len(gather) == len(distinct) and all(g is d for g, d in zip(gather, distinct))
+        b.gather_idx = b.scatter_idx if same else torch.cat(gather) if gather else empty
+        if size == sum(n for _, n in b.scatter_spans):
+            b.scatter_spans = None  # no part repeated: the distinct parts are the holders' parts, in order
         b.send_pieces = [(self.local[self.keys[m]][0], None) for m in order if self.parts[m][me][1]]
         b.send_splits = [sum(self.parts[m][me][0] for m in to[r] if self.parts[m][me][1]) for r in range(world)]
         b.back_recv_splits = sent
@@ -357,9 +377,11 @@ class OwnedExchange:
                 work.wait()
             if b.gather_idx is not None:
                 full = recv.new_empty(b.numel)
-                full.index_copy_(0, b.gather_idx, recv)
+                full[b.gather_idx] = recv
                 results = [orthogonalize(full[off:off + shape.numel()].view(shape)).reshape(-1) for _, off, shape in b.owned]
                 flat = torch.cat(results).index_select(0, b.scatter_idx) if results else recv.new_empty(0, dtype=dtype)
+                if b.scatter_spans is not None:
+                    flat = torch.cat([flat[start:start + n] for start, n in b.scatter_spans])
             else:
                 done = self._whole_results(b, recv, updates, batched)
                 for m, i, j in b.kept_back:
