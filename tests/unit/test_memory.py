@@ -177,3 +177,44 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
     assert estimate_with("Interleaved1F1B", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
     assert (estimate_with("InterleavedZeroBubble", dp_shard=1)["gib_per_pp_rank"]
             == estimate_with("Interleaved1F1B", dp_shard=1)["gib_per_pp_rank"])
+
+
+def test_ep_as_cp_splits_the_sequence_and_keeps_fsdp_over_dp_shard():
+    """ep_as_cp over dp_shard D, ep E holds what cp E over dp_shard D / E holds: the same FSDP
+    degree (D), expert split and tokens per rank (the context degree was once read as more FSDP)."""
+    as_cp = estimate("proxy_1b", 16, 4, 1, 1, 4096, 1, "none", ep_as_cp=True)
+    plain_cp = estimate("proxy_1b", 4, 4, 1, 4, 4096, 1, "none")
+    assert as_cp["gib"] == plain_cp["gib"]
+    assert as_cp["layout"]["gpus"] == 16 and as_cp["layout"]["ep_as_cp"]
+    whole = estimate("proxy_1b", 16, 4, 1, 1, 4096, 1, "none")["gib"]
+    assert whole["logits_and_loss"] == pytest.approx(4 * as_cp["gib"]["logits_and_loss"])
+    assert whole["params"] == as_cp["gib"]["params"]
+
+
+def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
+    """InterleavedZeroBubble against Interleaved1F1B (the same stages per rank), full AC, no FSDP:
+    the zero-bubble rank adds ZB_WEIGHT_PASS_RECOMPUTES copies of its largest stage's activations
+    without checkpointing, and so needs more with full AC than without (the dry run's finding)."""
+    from models.deepseek_v3.stats import stage_unit_costs
+    from trainer.config.pipeline_layout import PipelineCosts
+    from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES, _layer_activation_bytes
+
+    layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 4,
+              "device_type": "cpu", "mixed_precision": "float32"}
+
+    def with_schedule(schedule: str, ac: str) -> dict:
+        plan = PipelinePlan(pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=4)
+        return estimate(**layout, ac=ac, pipeline=plan)
+
+    zb, base = with_schedule("InterleavedZeroBubble", "full"), with_schedule("Interleaved1F1B", "full")
+    args = get_flavor("debugmodel")
+    plan = PipelinePlan(pp=2, pp_schedule="InterleavedZeroBubble", pp_stages_per_rank=2, pp_microbatches=4)
+    specs = plan.split(args.n_layers, args.mtp_depth, PipelineCosts(**stage_unit_costs(args, 256)))
+    fullest = zb["gib_per_pp_rank"].index(zb["gib"]["total"])
+    assert fullest == base["gib_per_pp_rank"].index(base["gib"]["total"])
+    stages = [[i >= args.n_dense_layers for i in s.layers] + [True] * (args.mtp_depth if s.last else 0)
+              for s in plan.rank_stages(specs, fullest)]
+    largest = max(sum(_layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
+    assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
+    for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
+        assert with_ac > without
