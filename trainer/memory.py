@@ -106,8 +106,13 @@ def _replicated_matrices(a: DeepSeekV3ModelArgs) -> int:
     return a.dim * (a.kv_lora_rank + a.qk_rope_head_dim + a.q_lora_rank)
 
 
-def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
-    """Bytes saved for backward per *local* token of one block (no checkpointing)."""
+def _layer_activation_bytes(
+    a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int, fp32_norms: bool = False
+) -> float:
+    """Bytes saved for backward per *local* token of one block (no checkpointing). ``fp32_norms``:
+    ``nn.RMSNorm`` on CPU in a lower precision computes in fp32 and saves the fp32 input and the
+    normalized fp32 rows of each of the block's four norms (CUDA's fused kernel saves the input
+    and one fp32 value per row)."""
     d, h = a.dim, a.n_heads
     heads = h / tp
     attn = (
@@ -126,7 +131,8 @@ def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int,
         ffn = d / tp + d + routed + shared + 2 * m.num_experts  # norm in/out, fp32 router scores
     else:
         ffn = d / tp + d + 4 * a.inter_dim / tp
-    return (attn + ffn) * act_bytes
+    norms = 2 * 4 * (2 * d / tp + a.q_lora_rank + a.kv_lora_rank) if fp32_norms else 0.0
+    return (attn + ffn) * act_bytes + norms
 
 
 MiB = 1024**2
@@ -276,8 +282,10 @@ def _estimate_share(
     transient = unsharded * (gathered + 4) / GiB if fsdp > 1 else 0.0
 
     tokens = rows * seq_len / cp  # local tokens per micro-batch
+    fp32_norms = device_type == "cpu" and act_bytes < 4
     per_layer = [
-        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes) * tokens for k in kinds
+        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes, fp32_norms=fp32_norms) * tokens
+        for k in kinds
     ]
     if ac == "full":
         act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
@@ -290,8 +298,13 @@ def _estimate_share(
         act = sum(per_layer) * in_flight
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
     logits = (1 + n_mtp) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4) if head else 0.0
-    # The bool mask and the additive mask sdpa derives from it in the compute dtype.
-    mask = rows * (seq_len / cp) * seq_len * (1 + act_bytes) * in_flight if block_causal_sdpa else 0.0
+    if head and fp32_norms:  # the final norm and each MTP module's three outside its block
+        logits += (1 + 3 * n_mtp) * tokens * a.dim / tp * 2 * 4
+    # The bool mask, and the additive mask in the compute dtype that each sdpa call derives from it
+    # and saves for its backward (one per attention held: every block's, or under full AC the one
+    # block recomputed).
+    attention_calls = 1 if ac == "full" else len(kinds) * in_flight
+    mask = rows * (seq_len / cp) * seq_len * (in_flight + act_bytes * attention_calls) if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
     # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
