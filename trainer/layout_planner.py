@@ -28,7 +28,7 @@ from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.memory import estimate
-from trainer.step_time import Hardware, Plan, step_time
+from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
 # Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
 # 1F1B's memory, LoopedBFS by Interleaved1F1B's bubble).
@@ -131,6 +131,7 @@ def plan_layouts(
     """The layouts that fit, fastest first, and how many valid layouts were considered."""
     args = get_flavor(flavor)
     costs = PipelineCosts(**stage_unit_costs(args, seq_len))
+    figures = ModelFigures.of(args, seq_len)
     splits: dict[tuple, str] = {}
     ranked, considered = [], 0
     for plan in candidates(flavor, gpus, gpus_per_node, seq_len, global_batch):
@@ -145,7 +146,7 @@ def plan_layouts(
                           stage_costs=costs, pipeline=pipe, ep_as_cp=plan.ep_as_cp)["gib"]["total"]
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
-        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware)))
+        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware, figures)))
     ranked.sort(key=lambda r: r.time["seconds"])
     return ranked, considered
 

@@ -160,16 +160,31 @@ def _all_to_all_seconds(nbytes: float, group: int, span: int, hw: Hardware) -> f
     return max(local, remote)
 
 
-def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
-    """Seconds per optimizer step and its parts (compute, exposed communication, bubble)."""
+@dataclass(frozen=True)
+class ModelFigures:
+    """What the step-time model reads of a model at a sequence length. Both counts build the model
+    on the meta device (models/deepseek_v3/stats.py), most of a planner's time if done per layout."""
+
+    flops_per_token: float
+    params: int  # MTP included
+
+    @classmethod
+    def of(cls, args: DeepSeekV3ModelArgs, seq_len: int) -> ModelFigures:
+        return cls(flops_per_token(args, seq_len), count_params(args, include_mtp=args.mtp_depth > 0)[0])
+
+
+def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: ModelFigures | None = None) -> dict:
+    """Seconds per optimizer step and its parts (compute, exposed communication, bubble);
+    ``figures``: ``ModelFigures.of(args, plan.seq_len)`` where the caller times many layouts."""
     p, pipe = plan, plan.pipeline
+    figures = figures or ModelFigures.of(args, p.seq_len)
     sequences = p.dp * p.local_batch_size * p.accumulation  # global batch
     tokens = sequences * p.seq_len
     recompute = 4 / 3 if p.ac == "full" else 1.0  # one more forward of the 2 + 4 of training
-    flops = flops_per_token(args, p.seq_len) * tokens * recompute / p.gpus
+    flops = figures.flops_per_token * tokens * recompute / p.gpus
     compute = flops / (hw.peak_flops * hw.compute_efficiency)
 
-    total, _ = count_params(args, include_mtp=args.mtp_depth > 0)
+    total = figures.params
     experts = (args.n_layers - args.n_dense_layers + args.mtp_depth) * args.moe.num_experts * 3 * args.dim * args.moe_inter_dim
     dense = total - experts
     # Spans in consecutive ranks: tp innermost, then cp, dp_shard, dp_replicate, pp.

@@ -34,7 +34,6 @@ def debug_plan():
     return plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware())
 
 
-@pytest.mark.slow
 def test_the_planner_lists_the_parity_layouts_of_the_debug_model_on_4_gpus(debug_plan):
     ranked, considered = debug_plan
     assert considered >= len(ranked) > 0
@@ -46,7 +45,6 @@ def test_the_planner_lists_the_parity_layouts_of_the_debug_model_on_4_gpus(debug
     assert times == sorted(times)
 
 
-@pytest.mark.slow
 def test_no_planned_layout_exceeds_the_memory():
     every, _ = plan_layouts("debugmodel", 2, 80.0, 8, 32, 8, Hardware())
     memories = sorted(r.memory_gib for r in every)
@@ -73,7 +71,6 @@ def test_constants_are_overridable_by_name():
         Hardware().with_overrides(["flops=1"])
 
 
-@pytest.mark.slow
 def test_check_flags_refuses_what_the_config_refuses(debug_plan):
     ranked, _ = debug_plan
     r = ranked[0]
