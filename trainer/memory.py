@@ -24,8 +24,8 @@ all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer 
 counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
 writes while the last accumulators are still held. A stage's backward temporaries (the embedding
 and head gradients) arise while the other in-flight micro-batches' activations are held, so under
-pp they add to the forward side; 1F1B's rank r keeps pp - r micro-batches in flight, the other
-schedules up to pp (both measured by the dry run, trainer/dry_run.py).
+pp they add to the forward side; the micro-batches in flight follow each schedule's warm-up
+(``_in_flight``; both measured by the dry run, trainer/dry_run.py).
 
 A zero-bubble schedule with full activation checkpointing: the weight pass of a stage
 (``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, each a graph task of
@@ -183,7 +183,7 @@ def estimate(
     With a ``pipeline`` of ``pp`` > 1 the stages are split as the trainer splits them (by training
     FLOPs, unless ``pp_layout``); every pipeline rank holds its stages' blocks (the first the embedding, the
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
-    of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
+    of the micro-batches its schedule keeps in flight (``_in_flight``); a
     zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
     the fullest rank's, with every rank's total in ``gib_per_pp_rank``. ``stage_costs``: the
     model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
@@ -216,13 +216,9 @@ def estimate(
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
-        # 1F1B's warm-up: rank r runs pp - r forwards before its first backward (the last rank
-        # holds one micro-batch; measured by the dry run, docs/performance.md); the other
-        # schedules up to pp.
-        depth = pp - rank if plan.pp_schedule == "1F1B" else pp
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // micro, min(depth, micro), pipelined=True, zero_bubble=plan.zero_bubble,
+            local_batch_size // micro, _in_flight(plan, rank), pipelined=True, zero_bubble=plan.zero_bubble,
             stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine], **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
@@ -233,8 +229,30 @@ def estimate(
     }
 
 
+def _in_flight(plan: PipelinePlan, rank: int) -> float:
+    """Micro-batches whose activations pp rank ``rank`` holds at once, in units of all its stages'
+    (a looped schedule's stage chunk is 1/v of them), from torch's warm-up of each schedule:
+
+    * 1F1B: rank r runs pp - r forwards before its first backward (the last rank holds one);
+    * GPipe, LoopedBFS: every forward before the first backward;
+    * Interleaved1F1B: its warm-up's (v - 1) x pp + 2 (pp - 1 - r) stage chunks (torch's
+      ``_get_warmup_ops``), at most all m x v chunks;
+    * the others (zero-bubble, V): up to pp.
+
+    Measured by the dry run (docs/performance.md, "The estimator against the dry run")."""
+    pp, micro, v = plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank
+    if plan.pp_schedule == "1F1B":
+        return min(pp - rank, micro)
+    if plan.pp_schedule in ("GPipe", "LoopedBFS"):
+        return micro
+    if plan.pp_schedule == "Interleaved1F1B":
+        per_round = micro // max(1, micro // pp)
+        return min(micro * v, (v - 1) * per_round + 2 * (pp - 1 - rank)) / v
+    return min(pp, micro)
+
+
 def _estimate_share(
-    a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: int, *,
+    a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: float, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
     block_causal_sdpa: bool, optimizer: str, state_dtype: str, pipelined: bool = False, zero_bubble: bool = False,
     stage_blocks: list[int] | None = None,

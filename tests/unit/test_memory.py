@@ -148,7 +148,8 @@ def _held_params(args, specs, rank_specs, embed_replica):
 
 @pytest.mark.parametrize("mixed_precision", ["bfloat16", "float32"])
 def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
-    """InterleavedZeroBubble against Interleaved1F1B on the same pp 2 x FSDP 2 layout and split:
+    """InterleavedZeroBubble against LoopedBFS (the same stages per rank, and at 2 micro-batches
+    the same in flight) on the same pp 2 x FSDP 2 layout and split:
     both hold their stages' fp32 gradient accumulators through the step (torch reduces a stage once
     per step); the zero-bubble one adds the stages' unsharded parameters (compute dtype) and drops
     the all-gathered blocks of the FSDP buffers (they are part of it), keeping one block's fp32
@@ -165,7 +166,7 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
         return estimate(**{**layout, **changes}, pipeline=plan)
 
     zb = estimate_with("InterleavedZeroBubble")
-    base = estimate_with("Interleaved1F1B")
+    base = estimate_with("LoopedBFS")
     assert base["gib"]["stage_unsharded_params"] == 0 < base["gib"]["stage_grad_accumulators"]
 
     args = get_flavor("debugmodel")
@@ -183,10 +184,10 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
     assert last["stage_grad_accumulators"] == pytest.approx(held * 4 / GiB)
     assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
     # Without sharding nothing is gathered or accumulated apart, and a zero-bubble schedule costs
-    # what Interleaved1F1B does.
-    assert estimate_with("Interleaved1F1B", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
+    # what LoopedBFS does.
+    assert estimate_with("LoopedBFS", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
     assert (estimate_with("InterleavedZeroBubble", dp_shard=1)["gib_per_pp_rank"]
-            == estimate_with("Interleaved1F1B", dp_shard=1)["gib_per_pp_rank"])
+            == estimate_with("LoopedBFS", dp_shard=1)["gib_per_pp_rank"])
 
 
 def test_ep_as_cp_splits_the_sequence_and_keeps_fsdp_over_dp_shard():
@@ -202,23 +203,24 @@ def test_ep_as_cp_splits_the_sequence_and_keeps_fsdp_over_dp_shard():
 
 
 def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
-    """InterleavedZeroBubble against Interleaved1F1B (the same stages per rank), full AC, no FSDP:
+    """InterleavedZeroBubble against LoopedBFS (the same stages per rank and, at 2 micro-batches,
+    in flight), full AC, no FSDP:
     the zero-bubble rank adds ZB_WEIGHT_PASS_RECOMPUTES copies of its largest stage's activations
     without checkpointing, and so needs more with full AC than without (the dry run's finding)."""
     from models.deepseek_v3.stats import stage_unit_costs
     from trainer.config.pipeline_layout import PipelineCosts
     from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES, _layer_activation_bytes
 
-    layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 4,
+    layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 2,
               "device_type": "cpu", "mixed_precision": "float32"}
 
     def with_schedule(schedule: str, ac: str) -> dict:
-        plan = PipelinePlan(pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=4)
+        plan = PipelinePlan(pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=2)
         return estimate(**layout, ac=ac, pipeline=plan)
 
-    zb, base = with_schedule("InterleavedZeroBubble", "full"), with_schedule("Interleaved1F1B", "full")
+    zb, base = with_schedule("InterleavedZeroBubble", "full"), with_schedule("LoopedBFS", "full")
     args = get_flavor("debugmodel")
-    plan = PipelinePlan(pp=2, pp_schedule="InterleavedZeroBubble", pp_stages_per_rank=2, pp_microbatches=4)
+    plan = PipelinePlan(pp=2, pp_schedule="InterleavedZeroBubble", pp_stages_per_rank=2, pp_microbatches=2)
     specs = plan.split(args.n_layers, args.mtp_depth, PipelineCosts(**stage_unit_costs(args, 256)))
     fullest = zb["gib_per_pp_rank"].index(zb["gib"]["total"])
     assert fullest == base["gib_per_pp_rank"].index(base["gib"]["total"])
@@ -228,3 +230,22 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
     for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
         assert with_ac > without
+
+
+def test_micro_batches_in_flight_follow_each_schedules_warm_up():
+    """1F1B rank r holds pp - r micro-batches, GPipe all of them, Interleaved1F1B the stage chunks
+    of torch's own warm-up (`_get_warmup_ops`) in units of the rank's v stages (the dry run of
+    proxy_1b's last Interleaved1F1B rank: 0.985 with it, 1.66 with pp everywhere)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from trainer.memory import _in_flight
+
+    def depths(schedule: str, v: int, m: int) -> list[float]:
+        return [_in_flight(PipelinePlan(4, schedule, v, m), r) for r in range(4)]
+
+    assert depths("1F1B", 1, 8) == [4, 3, 2, 1]
+    assert depths("GPipe", 1, 8) == [8] * 4
+    for m in (4, 8, 12):
+        torch_chunks = [_get_warmup_ops(r, 2, m // max(1, m // 4), 4, m) for r in range(4)]
+        assert depths("Interleaved1F1B", 2, m) == [c / 2 for c in torch_chunks], m
+    assert depths("Interleaved1F1B", 2, 4) == [4, 4, 3, 2]
