@@ -69,7 +69,8 @@ STATE_BYTES = {"params": 4, "grads": 4}  # fp32 master weights and gradients
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # per optimizer-state element
 # A zero-bubble schedule with full activation checkpointing: the recomputed activations of a stage's
 # weight pass, in units of that stage's blocks' activations without checkpointing (module
-# docstring; the dry run of the debug model measures 2.4-8.4, benchmarks/RESULTS.md).
+# docstring; the dry runs measure 2.4-8.4 on the debug model and 8.1 on the 671B DualPipeV rank 0,
+# docs/performance.md).
 ZB_WEIGHT_PASS_RECOMPUTES = 8.5
 
 
