@@ -11,7 +11,7 @@ and schedule is looked up. Published throughput, converted to tokens/s per GPU:
   this trainer's FLOPs per token at seq_len 4096 (models/deepseek_v3/stats.py) and 989 TFLOP/s;
 * Megatron-Core's 1024-H100 recipe: no throughput in the references.
 
-    python benchmarks/published_recipes.py            # three planner runs on 2048, 1024, 512 GPUs (tens of minutes)
+    python benchmarks/published_recipes.py            # three planner runs on 2048, 1024, 512 GPUs (6 CPU-minutes)
     python benchmarks/published_recipes.py --gpus 512
 """
 
