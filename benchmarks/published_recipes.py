@@ -11,7 +11,7 @@ and schedule is looked up. Published throughput, converted to tokens/s per GPU:
   this trainer's FLOPs per token at seq_len 4096 (models/deepseek_v3/stats.py) and 989 TFLOP/s;
 * Megatron-Core's 1024-H100 recipe: no throughput in the references.
 
-    python benchmarks/published_recipes.py            # three planner runs on 2048, 1024, 512 GPUs (tens of minutes)
+    python benchmarks/published_recipes.py            # three planner runs on 2048, 1024, 512 GPUs (6 CPU-minutes)
     python benchmarks/published_recipes.py --gpus 512
 """
 
@@ -27,12 +27,12 @@ from trainer.step_time import Hardware
 
 SEQ, BATCH = 4096, 4096
 RECIPES = [
-    ("DeepSeek-V3 (report)", 2048, dict(pp=16, ep=64, tp=1, cp=1, dp_replicate=1, schedule="DualPipeV"),
+    ("DeepSeek-V3 (report)", 2048, dict(pp=16, ep=64, tp=1, cp=1, dp_replicate=1, ep_as_cp=False, pp_schedule="DualPipeV"),
      1e12 / (180e3 * 3600), "180K H800 GPU-hours / 1T tokens"),
-    ("Megatron-Core recipe", 1024, dict(pp=8, ep=64, tp=2, cp=1, dp_replicate=1, schedule="Interleaved1F1B",
-                                        stages_per_rank=4), None, "none published"),
-    ("torchtitan (PR 2107)", 512, dict(pp=8, ep=32, tp=1, cp=1, dp_replicate=1, schedule="Interleaved1F1B",
-                                       stages_per_rank=2),
+    ("Megatron-Core recipe", 1024, dict(pp=8, ep=64, tp=2, cp=1, dp_replicate=1, ep_as_cp=False, pp_schedule="Interleaved1F1B",
+                                        pp_stages_per_rank=4), None, "none published"),
+    ("torchtitan (PR 2107)", 512, dict(pp=8, ep=32, tp=1, cp=1, dp_replicate=1, ep_as_cp=False, pp_schedule="Interleaved1F1B",
+                                       pp_stages_per_rank=2),
      0.098 * 989e12 / flops_per_token(get_flavor("671B"), SEQ), "9.8% MFU (all-to-all)"),
 ]
 

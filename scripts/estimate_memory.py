@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp_shard", type=int, required=True, help="FSDP degree (without cp)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp_shard x cp)")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1, help="context degree (cp, or ep with ep_as_cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    p.add_argument("--ep_as_cp", action="store_true", help="the ep ranks split each sequence (parallelism.ep_as_cp; cp 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (GPUs = pp x dp_shard x cp x tp)")
     p.add_argument("--pp_schedule", choices=PP_SCHEDULES, default="1F1B")
     p.add_argument("--pp_stages_per_rank", type=int, default=-1, help="-1: the schedule's default")
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
                      args.ac, args.mixed_precision, device_type=args.device, optimizer=args.optimizer,
-                     state_dtype=args.state_dtype, pipeline=PipelinePlan.from_config(args))
+                     state_dtype=args.state_dtype, pipeline=PipelinePlan.from_config(args),
+                     ep_as_cp=args.ep_as_cp)
     except (ValueError, ConfigError) as e:
         p.error(str(e))
     if args.json:
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     lay = r["layout"]
     pipeline = f"pp {lay['pp']} x " if lay["pp"] > 1 else ""
     print(f"{args.flavor}: {r['params_total_B']:.2f}B params; {lay['gpus']} GPUs = {pipeline}dp_shard {lay['dp_shard']} x "
-          f"cp {lay['cp']} x tp {lay['tp']}, ep {lay['ep']} (efsdp {lay['efsdp']}); seq_len {lay['seq_len']}, "
+          f"cp {lay['cp']} x tp {lay['tp']}, ep {lay['ep']}{' as cp' if lay['ep_as_cp'] else ''} (efsdp {lay['efsdp']}); seq_len {lay['seq_len']}, "
           f"local batch {lay['local_batch_size']}, AC {lay['ac']}")
     if lay["pp"] > 1:
         print(f"  pipeline {lay['pp_schedule']}, {lay['pp_stages_per_rank']} stage(s) per rank, "

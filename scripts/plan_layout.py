@@ -24,13 +24,19 @@ from trainer.config import ConfigError
 from trainer.layout_planner import check_flags, find, plan_layouts
 from trainer.step_time import Hardware
 
+RECIPE_KEYS = ("pp", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "dp_replicate", "dp_shard", "cp", "tp",
+               "ep", "ep_as_cp", "local_batch_size", "ac")
+
 
 def _recipe(text: str) -> dict:
-    """``pp=16,ep=64,schedule=DualPipeV`` -> the Plan fields to look for."""
+    """``pp=16,ep=64,pp_schedule=DualPipeV`` -> the plan fields to look for, by their config names
+    (``Plan.field``; ``ep_as_cp=1`` or ``0``)."""
     out = {}
     for pair in text.split(","):
-        key, _, value = pair.partition("=")
-        out[key.strip()] = value.strip() if key.strip() in ("schedule", "ac") else int(value)
+        key, _, value = (part.strip() for part in pair.partition("="))
+        if key not in RECIPE_KEYS:
+            raise ValueError(f"unknown --recipe field {key!r}; the fields: {', '.join(RECIPE_KEYS)}")
+        out[key] = value if key in ("pp_schedule", "ac") else bool(int(value)) if key == "ep_as_cp" else int(value)
     return out
 
 
@@ -46,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a step-time constant (trainer/step_time.py Hardware)")
     p.add_argument("--recipe", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="also report the rank of the best layout with these fields (e.g. pp=16,ep=64,schedule=DualPipeV)")
+                   help="also report the rank of the best layout with these fields, by their config names "
+                        "(e.g. pp=16,ep=64,pp_schedule=DualPipeV)")
     p.add_argument("--json", default="", help="also write the ranked layouts to this JSON file")
     a = p.parse_args(argv)
     if a.flavor not in flavor_names():
@@ -58,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         hardware = Hardware(gpus_per_node=a.gpus_per_node).with_overrides(a.set)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        recipes = [(text, _recipe(text)) for text in a.recipe]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -77,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         t = r.time
         print(f"{i:>3} {r.memory_gib:6.1f} {t['seconds']:8.2f} {t['tokens_per_s_per_gpu']:9.0f} {t['mfu']:5.1%} "
               f"{t['comm_share']:5.0%} {t['bubble_share']:6.0%}  {' '.join(r.flags())}")
-    for text in a.recipe:
-        hit = find(ranked, **_recipe(text))
+    for text, fields in recipes:
+        hit = find(ranked, **fields)
         if hit is None:
             print(f"recipe {text}: not among the layouts that fit")
         else:

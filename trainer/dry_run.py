@@ -38,6 +38,7 @@ import multiprocessing
 import resource
 import tempfile
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -50,7 +51,6 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, JobConfig
@@ -135,21 +135,25 @@ def _group_size(arg) -> int | None:
     return None
 
 
-class _GradSafeModTracker(ModTracker):
-    """torch's ``ModTracker`` without its backward hook on leaf inputs: a zero-bubble schedule's
-    input-gradient pass (``torch.autograd.grad`` over a stage's received activations, which are
-    leaves) refuses a gradient hook on a leaf. Such a module's end of backward is then marked at
-    the end of the backward pass, as torch marks a module without inputs that need gradients."""
+class _ForwardOnlyModTracker(ModTracker):
+    """torch's ``ModTracker`` without its gradient hooks. Its backward bookkeeping hangs a
+    multi-gradient hook on every module's inputs and outputs; under a zero-bubble schedule the
+    weight pass runs one ``autograd.grad`` per parameter group, each reaching only some of a
+    module's inputs, and the hook buffers those partial gradients per graph task forever: the
+    dry run of a zero-bubble schedule then grew with the micro-batches (671B DualPipeV: 945 GiB,
+    debug ZBVZeroBubble + full AC: 0.08 GiB per micro-batch), a run without the tracker does not
+    (benchmarks/RESULTS.md). The memory tracker needs only ``is_bw`` (torch's: a graph task is
+    running) and the forward hooks; its per-module backward statistics are not reported."""
 
     def _fw_pre_hook(self, mod, input):
-        leaves = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
-        for leaf in leaves:
-            leaf.requires_grad_(False)
-        try:
-            super()._fw_pre_hook(mod, input)
-        finally:
-            for leaf in leaves:
-                leaf.requires_grad_(True)
+        self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output):
+        if self._user_post_fw_hook is not None:
+            self._user_post_fw_hook(mod, input, output)
+        self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
 
 
 class StepMemTracker(MemTracker):
@@ -159,7 +163,7 @@ class StepMemTracker(MemTracker):
 
     def __init__(self):
         super().__init__()
-        self._mod_tracker = _GradSafeModTracker()
+        self._mod_tracker = _ForwardOnlyModTracker()
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:

@@ -6,8 +6,9 @@ Candidates: pp over the divisors of N that leave every stage a block, with each 
 DualPipeV) and 1, 2 or 4
 micro-batches per stage of the run; tp up to a node (it divides the heads), cp 1, 2 or 4;
 dp_replicate among the divisors of what is left; ep over the divisors of dp_shard x cp that divide
-the experts; activation checkpointing none or full; without pp, the micro-batch rows among 1, 2, 4
-and 8. The batch is the global batch over the data ranks. A candidate is valid when `Layout`
+the experts, and with cp 1 and ep > 1 also ep_as_cp (the ep ranks split each sequence, and the
+data ranks drop to dp_replicate x dp_shard / ep); activation checkpointing none or full; without pp, the micro-batch rows among 1, 2, 4
+and 8. The batch is the global batch over the data ranks (`Layout.dp_degree`). A candidate is valid when `Layout`
 accepts its degrees and the model's blocks, heads, experts and sequence (`check_model_fit`, the
 pre-launch check's own), and its batch divides (`Layout.check_batch`); the printed flags of the
 ranked ones go once more through `load_config` and the same checks, as run_train.sh reads them.
@@ -15,6 +16,7 @@ ranked ones go once more through `load_config` and the same checks, as run_train
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.memory import estimate
-from trainer.step_time import Hardware, Plan, step_time
+from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
 # Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
 # 1F1B's memory, LoopedBFS by Interleaved1F1B's bubble).
@@ -47,18 +49,19 @@ class Ranked:
 
     def flags(self) -> list[str]:
         """The ``run_train.sh`` options of this layout (with the config file's)."""
-        p = self.plan
+        p, pipe = self.plan, self.plan.pipeline
         out = [
             "--parallelism.pp", str(p.pp), "--parallelism.dp_replicate", str(p.dp_replicate),
             "--parallelism.dp_shard", str(p.dp_shard), "--parallelism.cp", str(p.cp), "--parallelism.tp", str(p.tp),
             "--parallelism.ep", str(p.ep),
         ]
-        if p.pp > 1:
-            out += ["--parallelism.pp_schedule", p.schedule, "--parallelism.pp_stages_per_rank", str(p.stages_per_rank),
-                    "--parallelism.pp_microbatches", str(p.microbatches)]
-        dp = p.dp_replicate * p.dp_shard
+        if p.ep_as_cp:
+            out += ["--parallelism.ep_as_cp"]
+        if pipe.enabled:
+            out += ["--parallelism.pp_schedule", pipe.pp_schedule, "--parallelism.pp_stages_per_rank",
+                    str(pipe.pp_stages_per_rank), "--parallelism.pp_microbatches", str(pipe.pp_microbatches)]
         out += ["--training.seq_len", str(p.seq_len), "--training.local_batch_size", str(p.local_batch_size),
-                "--training.global_batch_size", str(dp * p.local_batch_size * p.accumulation),
+                "--training.global_batch_size", str(p.dp * p.local_batch_size * p.accumulation),
                 "--activation_checkpoint.mode", p.ac]
         return out
 
@@ -72,52 +75,53 @@ def candidates(flavor: str, gpus: int, gpus_per_node: int, seq_len: int, global_
         rest = gpus // (pp * tp * cp)
         for dp_replicate in divisors(rest):
             dp_shard = rest // dp_replicate
-            dp = dp_replicate * dp_shard
-            if global_batch % dp:
-                continue
-            local = global_batch // dp
             for ep in divisors(dp_shard * cp):
                 if shape.moe.num_experts % ep:
                     continue
-                try:
-                    layout = Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=PipelinePlan(pp=pp))
-                    layout.check_shapes(seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
-                except ConfigError:
-                    continue
-                yield from _batch_shapes(pp, dp_replicate, dp_shard, cp, tp, ep, gpus, local, seq_len, shape)
+                for ep_as_cp in (False, True) if cp == 1 and ep > 1 else (False,):
+                    try:
+                        layout = Layout(dp_replicate, dp_shard, cp, tp, ep, ep_as_cp, gpus,
+                                        pipeline=PipelinePlan(pp=pp))
+                        layout.check_shapes(seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
+                    except ConfigError:
+                        continue
+                    if global_batch % layout.dp_degree:
+                        continue
+                    local = global_batch // layout.dp_degree
+                    base = Plan(gpus, dp_replicate, dp_shard, cp, tp, ep, PipelinePlan(), local, 1, seq_len, "none",
+                                ep_as_cp)
+                    yield from _batch_shapes(base, layout, shape)
 
 
-def _batch_shapes(pp, dp_replicate, dp_shard, cp, tp, ep, gpus, local, seq_len, shape) -> Iterator[Plan]:
-    """The schedules, micro-batches and activation checkpointing of one set of degrees."""
+def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
+    """The schedules, micro-batches and activation checkpointing of one set of degrees (``base``:
+    the degrees, and the sequences per data rank as ``local_batch_size``)."""
+    local = base.local_batch_size
+    pp = layout.pipeline.pp
     for ac in ("none", "full"):
         if pp == 1:
             for rows in (1, 2, 4, 8):
                 if local % rows == 0:
-                    yield Plan(gpus, 1, dp_replicate, dp_shard, cp, tp, ep, "", 1, 1, rows, local // rows, seq_len, ac)
+                    yield dataclasses.replace(base, local_batch_size=rows, accumulation=local // rows, ac=ac)
             continue
         for schedule, per_rank in SCHEDULES:
-            stages = pp * per_rank
             for fill in (1, 2, 4):
-                micro = stages * fill
-                pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank, pp_microbatches=micro)
-                if local % micro or pipeline.problems():
+                pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank,
+                                        pp_microbatches=pp * per_rank * fill)
+                if local % pipeline.pp_microbatches or pipeline.problems():
                     continue
                 try:
-                    Layout(dp_replicate, dp_shard, cp, tp, ep, False, gpus, pipeline=pipeline).check_stages(
-                        shape.n_layers, shape.mtp_depth
-                    )
+                    dataclasses.replace(layout, pipeline=pipeline).check_stages(shape.n_layers, shape.mtp_depth)
                 except ConfigError:
                     continue
-                yield Plan(gpus, pp, dp_replicate, dp_shard, cp, tp, ep, schedule, per_rank, micro, local, 1, seq_len, ac)
+                yield dataclasses.replace(base, pipeline=pipeline, ac=ac)
 
 
-def _split_string(args, plan: Plan, costs: PipelineCosts) -> str:
+def _split_string(args, pipeline: PipelinePlan, costs: PipelineCosts) -> str:
     """The trainer's cost-balanced split as a ``pp_layout`` string, so that the estimator need not
     search it again for every layout of the same pipeline shape."""
-    n_stages = plan.pp * plan.stages_per_rank
-    specs = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank).split(args.n_layers, args.mtp_depth, costs)
-    parts = [f"t*{len(s.layers)}" for s in specs]
-    return "|".join(["E" + parts[0], *parts[1:-1], parts[-1] + "L"] if n_stages > 1 else ["E" + parts[0] + "L"])
+    parts = [f"t*{len(s.layers)}" for s in pipeline.split(args.n_layers, args.mtp_depth, costs)]
+    return "|".join(["E" + parts[0], *parts[1:-1], parts[-1] + "L"] if len(parts) > 1 else ["E" + parts[0] + "L"])
 
 
 def plan_layouts(
@@ -127,21 +131,22 @@ def plan_layouts(
     """The layouts that fit, fastest first, and how many valid layouts were considered."""
     args = get_flavor(flavor)
     costs = PipelineCosts(**stage_unit_costs(args, seq_len))
+    figures = ModelFigures.of(args, seq_len)
     splits: dict[tuple, str] = {}
     ranked, considered = [], 0
     for plan in candidates(flavor, gpus, gpus_per_node, seq_len, global_batch):
         considered += 1
-        pipeline = None
-        if plan.pp > 1:
-            key = (plan.pp, plan.schedule, plan.stages_per_rank)
+        pipe = plan.pipeline
+        if pipe.enabled:
+            key = (pipe.pp, pipe.pp_schedule, pipe.pp_stages_per_rank)
             if key not in splits:
-                splits[key] = _split_string(args, plan, costs)
-            pipeline = PipelinePlan(plan.pp, plan.schedule, plan.stages_per_rank, plan.microbatches, splits[key])
+                splits[key] = _split_string(args, pipe, costs)
+            pipe = dataclasses.replace(pipe, pp_layout=splits[key])
         memory = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                          stage_costs=costs, pipeline=pipeline)["gib"]["total"]
+                          stage_costs=costs, pipeline=pipe, ep_as_cp=plan.ep_as_cp)["gib"]["total"]
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
-        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware)))
+        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware, figures)))
     ranked.sort(key=lambda r: r.time["seconds"])
     return ranked, considered
 
@@ -155,9 +160,10 @@ def check_flags(flavor: str, ranked: Ranked, config_file: str | None = None) -> 
     layout.check_batch(cfg.training.local_batch_size, cfg.training.global_batch_size)
 
 
-def find(ranked: list[Ranked], **degrees) -> tuple[int, Ranked] | None:
-    """The best-ranked layout (1-based rank) whose plan has these field values."""
+def find(ranked: list[Ranked], **fields) -> tuple[int, Ranked] | None:
+    """The best-ranked layout (1-based rank) whose plan has these values, by their config names
+    (``pp_schedule``, ``pp_stages_per_rank``, ``pp_microbatches`` are the pipeline's)."""
     for i, r in enumerate(ranked, 1):
-        if all(getattr(r.plan, k) == v for k, v in degrees.items()):
+        if all(r.plan.field(k) == v for k, v in fields.items()):
             return i, r
     return None

@@ -24,9 +24,16 @@ all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer 
 counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
 writes while the last accumulators are still held. A stage's backward temporaries (the embedding
 and head gradients) arise while the other in-flight micro-batches' activations are held, so under
-pp they add to the forward side; 1F1B's rank r keeps pp - r micro-batches in flight, the other
-schedules up to pp (both measured by the dry run, trainer/dry_run.py). Not modelled: a zero-bubble
-schedule keeps a checkpointed block's recomputed activations until its weight pass.
+pp they add to the forward side; the micro-batches in flight follow each schedule's warm-up
+(``_in_flight``; both measured by the dry run, trainer/dry_run.py).
+
+A zero-bubble schedule with full activation checkpointing: the weight pass of a stage
+(``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, each a graph task of
+its own, so each recomputes the checkpointed block (non-reentrant checkpointing recomputes once per
+graph task) and keeps what it recomputed but did not use until the stage's graph is freed at the
+pass's end. At that point the rank holds several copies of the stage's activations:
+``ZB_WEIGHT_PASS_RECOMPUTES`` times the largest stage's blocks without checkpointing, on top of
+the checkpointed in-flight micro-batches. Full AC then costs more than no AC under these schedules.
 
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
@@ -44,6 +51,7 @@ steps, temporary buffers inside kernels. Checked against the debug flavor's meas
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -59,6 +67,11 @@ GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
 STATE_BYTES = {"params": 4, "grads": 4}  # fp32 master weights and gradients
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # per optimizer-state element
+# A zero-bubble schedule with full activation checkpointing: the recomputed activations of a stage's
+# weight pass, in units of that stage's blocks' activations without checkpointing (module
+# docstring; the dry runs measure 2.4-8.4 on the debug model and 8.1 on the 671B DualPipeV rank 0,
+# docs/performance.md).
+ZB_WEIGHT_PASS_RECOMPUTES = 8.5
 
 
 def optimizer_state_bytes(local_params: float, local_muon_params: float, state_dtype: str) -> float:
@@ -94,8 +107,13 @@ def _replicated_matrices(a: DeepSeekV3ModelArgs) -> int:
     return a.dim * (a.kv_lora_rank + a.qk_rope_head_dim + a.q_lora_rank)
 
 
-def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int) -> float:
-    """Bytes saved for backward per *local* token of one block (no checkpointing)."""
+def _layer_activation_bytes(
+    a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int, fp32_norms: bool = False
+) -> float:
+    """Bytes saved for backward per *local* token of one block (no checkpointing). ``fp32_norms``:
+    ``nn.RMSNorm`` on CPU in a lower precision computes in fp32 and saves the fp32 input and the
+    normalized fp32 rows of each of the block's four norms (CUDA's fused kernel saves the input
+    and one fp32 value per row)."""
     d, h = a.dim, a.n_heads
     heads = h / tp
     attn = (
@@ -114,7 +132,8 @@ def _layer_activation_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int,
         ffn = d / tp + d + routed + shared + 2 * m.num_experts  # norm in/out, fp32 router scores
     else:
         ffn = d / tp + d + 4 * a.inter_dim / tp
-    return (attn + ffn) * act_bytes
+    norms = 2 * 4 * (2 * d / tp + a.q_lora_rank + a.kv_lora_rank) if fp32_norms else 0.0
+    return (attn + ffn) * act_bytes + norms
 
 
 MiB = 1024**2
@@ -155,7 +174,7 @@ def estimate(
     flavor: str, dp_shard: int, ep: int, tp: int, cp: int, seq_len: int, local_batch_size: int, ac: str,
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
-    state_dtype: str = "float32", stage_costs: PipelineCosts | None = None,
+    state_dtype: str = "float32", stage_costs: PipelineCosts | None = None, ep_as_cp: bool = False,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -165,21 +184,24 @@ def estimate(
     With a ``pipeline`` of ``pp`` > 1 the stages are split as the trainer splits them (by training
     FLOPs, unless ``pp_layout``); every pipeline rank holds its stages' blocks (the first the embedding, the
     last the head, MTP and, without a V schedule, an embedding replica) and keeps the activations
-    of up to ``min(pp, pp_microbatches)`` micro-batches in flight (1F1B's warm-up depth); a
+    of the micro-batches its schedule keeps in flight (``_in_flight``); a
     zero-bubble schedule under FSDP adds its unsharded stages (module docstring). The estimate is
     the fullest rank's, with every rank's total in ``gib_per_pp_rank``. ``stage_costs``: the
     model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
-    estimates many layouts of one model; computing them builds the model on the meta device)."""
+    estimates many layouts of one model; computing them builds the model on the meta device).
+    ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1)."""
     a = model_args or get_flavor(flavor)
     plan = pipeline or PipelinePlan()
     pp = plan.pp
-    if seq_len % (2 * cp) and cp > 1:
-        raise ValueError(f"seq_len must be a multiple of 2 x cp = {2 * cp}")
     fsdp = dp_shard * cp
+    if ep_as_cp:
+        cp = ep  # the sequence split from here on; FSDP keeps dp_shard x 1
+    if seq_len % (2 * cp) and cp > 1:
+        raise ValueError(f"seq_len must be a multiple of 2 x the context degree = {2 * cp}")
     if fsdp % ep:
         raise ValueError(f"ep={ep} must divide dp_shard x cp = {fsdp}")
-    layout = {"dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep, "efsdp": fsdp // ep, "pp": pp,
-              "gpus": pp * dp_shard * cp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
+    layout = {"dp_shard": dp_shard, "cp": fsdp // dp_shard, "tp": tp, "ep": ep, "ep_as_cp": ep_as_cp,
+              "efsdp": fsdp // ep, "pp": pp, "gpus": pp * fsdp * tp, "seq_len": seq_len, "local_batch_size": local_batch_size, "ac": ac,
               "mixed_precision": mixed_precision, "device_type": device_type}
     share = dict(fsdp=fsdp, ep=ep, tp=tp, cp=cp, seq_len=seq_len, ac=ac, mixed_precision=mixed_precision,
                  device_type=device_type, block_causal_sdpa=block_causal_sdpa, optimizer=optimizer,
@@ -195,13 +217,10 @@ def estimate(
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
-        # 1F1B's warm-up: rank r runs pp - r forwards before its first backward (the last rank
-        # holds one micro-batch; measured by the dry run, docs/performance.md); the other
-        # schedules up to pp.
-        depth = pp - rank if plan.pp_schedule == "1F1B" else pp
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // micro, min(depth, micro), pipelined=True, zero_bubble=plan.zero_bubble, **share,
+            local_batch_size // micro, _in_flight(plan, rank), pipelined=True, zero_bubble=plan.zero_bubble,
+            stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine], **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
@@ -211,15 +230,39 @@ def estimate(
     }
 
 
+def _in_flight(plan: PipelinePlan, rank: int) -> float:
+    """Micro-batches whose activations pp rank ``rank`` holds at once, in units of all its stages'
+    (a looped schedule's stage chunk is 1/v of them), from torch's warm-up of each schedule:
+
+    * 1F1B: rank r runs pp - r forwards before its first backward (the last rank holds one);
+    * GPipe, LoopedBFS: every forward before the first backward;
+    * Interleaved1F1B: its warm-up's (v - 1) x pp + 2 (pp - 1 - r) stage chunks (torch's
+      ``_get_warmup_ops``), at most all m x v chunks;
+    * the others (zero-bubble, V): up to pp.
+
+    Measured by the dry run (docs/performance.md, "The estimator against the dry run")."""
+    pp, micro, v = plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank
+    if plan.pp_schedule == "1F1B":
+        return min(pp - rank, micro)
+    if plan.pp_schedule in ("GPipe", "LoopedBFS"):
+        return micro
+    if plan.pp_schedule == "Interleaved1F1B":
+        per_round = micro // max(1, micro // pp)
+        return min(micro * v, (v - 1) * per_round + 2 * (pp - 1 - rank)) / v
+    return min(pp, micro)
+
+
 def _estimate_share(
-    a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: int, *,
+    a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: float, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
     block_causal_sdpa: bool, optimizer: str, state_dtype: str, pipelined: bool = False, zero_bubble: bool = False,
+    stage_blocks: list[int] | None = None,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
     ``pipelined``: they are pipeline stages (fp32 gradient accumulators through the step under FSDP);
-    ``zero_bubble``: of a zero-bubble schedule (their parameters unsharded through the step too)."""
+    ``zero_bubble``: of a zero-bubble schedule (their parameters unsharded through the step too);
+    ``stage_blocks``: how many of the blocks (then MTP modules) each of those stages runs, in order."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -258,17 +301,29 @@ def _estimate_share(
     transient = unsharded * (gathered + 4) / GiB if fsdp > 1 else 0.0
 
     tokens = rows * seq_len / cp  # local tokens per micro-batch
+    fp32_norms = device_type == "cpu" and act_bytes < 4
     per_layer = [
-        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes) * tokens for k in kinds
+        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes, fp32_norms=fp32_norms) * tokens
+        for k in kinds
     ]
     if ac == "full":
         act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
+        if zero_bubble:
+            # The weight pass recomputes a checkpointed stage once per parameter group
+            # (module docstring): the largest stage's blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
+            bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
+            act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(per_layer[i:j]) for i, j in zip(bounds, bounds[1:]))
     else:
         act = sum(per_layer) * in_flight
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
     logits = (1 + n_mtp) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4) if head else 0.0
-    # The bool mask and the additive mask sdpa derives from it in the compute dtype.
-    mask = rows * (seq_len / cp) * seq_len * (1 + act_bytes) * in_flight if block_causal_sdpa else 0.0
+    if head and fp32_norms:  # the final norm and each MTP module's three outside its block
+        logits += (1 + 3 * n_mtp) * tokens * a.dim / tp * 2 * 4
+    # The bool mask, and the additive mask in the compute dtype that each sdpa call derives from it
+    # and saves for its backward (one per attention held: every block's, or under full AC the one
+    # block recomputed).
+    attention_calls = 1 if ac == "full" else len(kinds) * in_flight
+    mask = rows * (seq_len / cp) * seq_len * (in_flight + act_bytes * attention_calls) if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
     # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
@@ -341,10 +396,11 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
         available, where = available_bytes(device)
     ac = "none" if cfg.activation_checkpoint.mode == "none" else "full"
     est = estimate(
-        cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.context_degree, t.seq_len, t.local_batch_size, ac,
+        cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.cp, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
         pipeline=dims.pipeline, optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
+        ep_as_cp=dims.ep_as_cp,
     )
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
-from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+from trainer.config.pipeline_layout import PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -74,26 +74,43 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Plan:
-    """One layout to time (the degrees of ``[parallelism]`` and the batch shape)."""
+    """One layout to time: the degrees of ``[parallelism]``, its pipeline (``PipelinePlan``, the
+    one reader of the ``pp*`` options; ``PipelinePlan()`` without pp) and the batch shape."""
 
     gpus: int
-    pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
     ep: int
-    schedule: str  # "" without pp
-    stages_per_rank: int
-    microbatches: int  # pipeline chunks per schedule run (1 without pp)
+    pipeline: PipelinePlan
     local_batch_size: int  # sequences per data rank per schedule run (or forward, without pp)
     accumulation: int  # schedule runs (or forwards) per optimizer step
     seq_len: int
     ac: str  # "none" or "full"
+    ep_as_cp: bool = False  # the ep ranks split each sequence (cp is 1)
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline.pp
+
+    @property
+    def context(self) -> int:
+        """Ranks that split one sequence (``Layout.context_degree``)."""
+        return self.ep if self.ep_as_cp else self.cp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different sequences (``Layout.dp_degree``)."""
+        return self.dp_replicate * (self.dp_shard // self.ep if self.ep_as_cp else self.dp_shard)
+
+    def field(self, name: str):
+        """A field by its config name: the ``pp*`` ones are the pipeline's."""
+        return getattr(self.pipeline if name.startswith("pp") else self, name)
 
 
-def bubble_fraction(schedule: str, pp: int, stages_per_rank: int, microbatches: int, b_share: float) -> float:
-    """Idle time over useful time of one schedule run. F, B, W: one micro-batch's forward, input
+def bubble_fraction(pipeline: PipelinePlan, b_share: float) -> float:
+    """Idle time over useful time of one run of ``pipeline``'s schedule. F, B, W: one micro-batch's forward, input
     gradient and weight gradient on one stage, in units of F (B + W = 2).
 
     * GPipe, 1F1B: (p - 1) (F + B + W) per run of m micro-batches of (F + B + W): (p - 1) / m;
@@ -104,8 +121,10 @@ def bubble_fraction(schedule: str, pp: int, stages_per_rank: int, microbatches: 
       (DeepSeek-V3 report, table 2) with F&B = F + B (this trainer does not overlap the pair), over
       m (F + B + W), floored at 0.
     """
-    if pp == 1:
+    if not pipeline.enabled:
         return 0.0
+    pp, schedule = pipeline.pp, pipeline.pp_schedule
+    stages_per_rank, microbatches = pipeline.pp_stages_per_rank, pipeline.pp_microbatches
     f, b = 1.0, 2.0 * b_share
     w = 2.0 - b
     per_micro = f + b + w
@@ -141,17 +160,31 @@ def _all_to_all_seconds(nbytes: float, group: int, span: int, hw: Hardware) -> f
     return max(local, remote)
 
 
-def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
-    """Seconds per optimizer step and its parts (compute, exposed communication, bubble)."""
-    p = plan
-    dp = p.dp_replicate * p.dp_shard
-    sequences = dp * p.local_batch_size * p.accumulation  # global batch
+@dataclass(frozen=True)
+class ModelFigures:
+    """What the step-time model reads of a model at a sequence length. Both counts build the model
+    on the meta device (models/deepseek_v3/stats.py), most of a planner's time if done per layout."""
+
+    flops_per_token: float
+    params: int  # MTP included
+
+    @classmethod
+    def of(cls, args: DeepSeekV3ModelArgs, seq_len: int) -> ModelFigures:
+        return cls(flops_per_token(args, seq_len), count_params(args, include_mtp=args.mtp_depth > 0)[0])
+
+
+def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: ModelFigures | None = None) -> dict:
+    """Seconds per optimizer step and its parts (compute, exposed communication, bubble);
+    ``figures``: ``ModelFigures.of(args, plan.seq_len)`` where the caller times many layouts."""
+    p, pipe = plan, plan.pipeline
+    figures = figures or ModelFigures.of(args, p.seq_len)
+    sequences = p.dp * p.local_batch_size * p.accumulation  # global batch
     tokens = sequences * p.seq_len
     recompute = 4 / 3 if p.ac == "full" else 1.0  # one more forward of the 2 + 4 of training
-    flops = flops_per_token(args, p.seq_len) * tokens * recompute / p.gpus
+    flops = figures.flops_per_token * tokens * recompute / p.gpus
     compute = flops / (hw.peak_flops * hw.compute_efficiency)
 
-    total, _ = count_params(args, include_mtp=args.mtp_depth > 0)
+    total = figures.params
     experts = (args.n_layers - args.n_dense_layers + args.mtp_depth) * args.moe.num_experts * 3 * args.dim * args.moe_inter_dim
     dense = total - experts
     # Spans in consecutive ranks: tp innermost, then cp, dp_shard, dp_replicate, pp.
@@ -166,7 +199,7 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
     stage_dense = dense / p.pp / p.tp
     stage_experts = experts / p.pp / p.ep
     gathers = (2 if p.ac == "none" else 3) * p.accumulation  # forward, backward (and the recompute's)
-    if p.pp > 1 and p.schedule in ZERO_BUBBLE_SCHEDULES:
+    if pipe.enabled and pipe.zero_bubble:
         gathers = 1  # the zero-bubble stages stay unsharded through the step
     fsdp = gathers * (_ring_seconds(stage_dense * 2, p.dp_shard * p.cp, span_fsdp, hw)
                       + _ring_seconds(stage_experts * 2, efsdp, span_efsdp, hw))
@@ -179,7 +212,7 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
     exposed_dp = max(0.0, dp_comm - hw.fsdp_overlap * compute)
 
     # Per GPU and step: the tokens its stage sees, every micro-batch of every run.
-    local_tokens = p.local_batch_size * p.accumulation * p.seq_len / p.cp
+    local_tokens = p.local_batch_size * p.accumulation * p.seq_len / p.context
     moe_layers = (args.n_layers - args.n_dense_layers + args.mtp_depth) / p.pp
     all_layers = (args.n_layers + args.mtp_depth) / p.pp
     passes = 3 if p.ac == "full" else 2  # forward, backward (and the recompute's forward)
@@ -188,15 +221,17 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware) -> dict:
     ep = passes * 2 * moe_layers * _all_to_all_seconds(a2a_bytes, p.ep, span_ep, hw) * (1 - hw.ep_overlap)
     # Sequence-parallel TP: an all-gather and a reduce-scatter of the block's input per attention and FFN.
     tp = passes * 4 * all_layers * _ring_seconds(local_tokens * args.dim * 2, p.tp, span_tp, hw)
-    # Context parallel: every rank's keys and values (all heads on this tp rank), gathered per block.
-    kv = local_tokens * (args.n_heads / p.tp) * (args.qk_head_dim + args.v_head_dim) * 2
-    cp = passes * all_layers * _ring_seconds(kv * p.cp, p.cp, span_cp, hw)
+    # Context parallel (cp, or the ep ranks under ep_as_cp): MLA's compressed latent and rope key
+    # of every rank's tokens, all-gathered per block in bf16 (its backward a reduce-scatter of the
+    # same size; trainer/parallel/context_parallel.py), over the group that splits the sequence.
+    latent = local_tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    context_span = span_ep if p.ep_as_cp else span_cp
+    cp = passes * all_layers * _ring_seconds(latent * p.context, p.context, context_span, hw)
     # Pipeline: each chunk's activations forward and their gradient back, per stage boundary held.
     act = local_tokens / p.tp * args.dim * 2
-    pp = 2 * p.stages_per_rank * act / (hw.network_bytes_per_s * hw.comm_efficiency) if p.pp > 1 else 0.0
+    pp = 2 * pipe.pp_stages_per_rank * act / (hw.network_bytes_per_s * hw.comm_efficiency) if pipe.enabled else 0.0
     in_stage = compute + ep + tp + cp + pp
-    bubble = in_stage * bubble_fraction(p.schedule, p.pp, p.stages_per_rank, p.microbatches,
-                                        hw.backward_input_share)
+    bubble = in_stage * bubble_fraction(pipe, hw.backward_input_share)
     seconds = in_stage + bubble + exposed_dp
     comm = ep + tp + cp + pp + exposed_dp
     return {

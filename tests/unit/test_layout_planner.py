@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import pytest
 
+from models.deepseek_v3 import get_flavor
 from trainer.config import ConfigError
+from trainer.config.pipeline_layout import PipelinePlan
 from trainer.layout_planner import RESERVE_GIB, check_flags, find, plan_layouts
-from trainer.step_time import Hardware, bubble_fraction
+from trainer.step_time import Hardware, Plan, bubble_fraction, step_time
 
-# The 4-process layouts of tests/e2e/test_layout_parity.py (LAYOUTS), as plan fields. Not listed:
-# pp_2_ep_2_as_cp (the planner does not enumerate ep_as_cp) and the Engram layouts (another model).
+# The 4-process layouts of tests/e2e/test_layout_parity.py (LAYOUTS), as plan fields by their config
+# names. Not listed: the Engram layouts (another model) and moe_overlap (not enumerated).
 PARITY_LAYOUTS = {
     "hsdp_2x2_ep_2": dict(pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=1, ep=2),
-    "pp_2_fsdp_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, schedule="1F1B"),
-    "pp_2_fsdp_2_ep_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, schedule="1F1B"),
-    "pp_2_tp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, schedule="1F1B"),
-    "pp_2_cp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, schedule="1F1B"),
-    "pp_2_dualpipev_fsdp_2_ep_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, schedule="DualPipeV"),
-    "pp_2_zbv_fsdp_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, schedule="ZBVZeroBubble"),
+    "pp_2_fsdp_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pp_schedule="1F1B"),
+    "pp_2_fsdp_2_ep_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, pp_schedule="1F1B"),
+    "pp_2_tp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, pp_schedule="1F1B"),
+    "pp_2_cp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, pp_schedule="1F1B"),
+    "pp_2_dualpipev_fsdp_2_ep_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, pp_schedule="DualPipeV"),
+    "pp_2_zbv_fsdp_2": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pp_schedule="ZBVZeroBubble"),
     "pp_2_interleaved_zb_dp_replicate_2": dict(
-        pp=2, dp_replicate=2, dp_shard=1, cp=1, tp=1, ep=1, schedule="InterleavedZeroBubble"
+        pp=2, dp_replicate=2, dp_shard=1, cp=1, tp=1, ep=1, pp_schedule="InterleavedZeroBubble"
     ),
-    "pp_2_dualpipev_cp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, schedule="DualPipeV"),
+    "pp_2_dualpipev_cp_2": dict(pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, pp_schedule="DualPipeV"),
+    "pp_2_ep_2_as_cp": dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, ep_as_cp=True, pp_schedule="1F1B"),
 }
 
 
@@ -31,7 +34,6 @@ def debug_plan():
     return plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware())
 
 
-@pytest.mark.slow
 def test_the_planner_lists_the_parity_layouts_of_the_debug_model_on_4_gpus(debug_plan):
     ranked, considered = debug_plan
     assert considered >= len(ranked) > 0
@@ -43,7 +45,6 @@ def test_the_planner_lists_the_parity_layouts_of_the_debug_model_on_4_gpus(debug
     assert times == sorted(times)
 
 
-@pytest.mark.slow
 def test_no_planned_layout_exceeds_the_memory():
     every, _ = plan_layouts("debugmodel", 2, 80.0, 8, 32, 8, Hardware())
     memories = sorted(r.memory_gib for r in every)
@@ -53,10 +54,14 @@ def test_no_planned_layout_exceeds_the_memory():
 
 
 def test_bubble_formulas():
-    assert bubble_fraction("1F1B", 4, 1, 8, 0.6) == pytest.approx(3 / 8)
-    assert bubble_fraction("Interleaved1F1B", 4, 2, 8, 0.6) == pytest.approx(3 / 16)
-    assert bubble_fraction("DualPipeV", 2, 2, 4, 0.6) == 0.0  # (p/2 - 1) = 0
-    assert 0 < bubble_fraction("DualPipeV", 16, 2, 32, 0.6) < bubble_fraction("1F1B", 16, 1, 32, 0.6)
+    def bubble(pp, schedule, per_rank, micro):
+        return bubble_fraction(PipelinePlan(pp, schedule, per_rank, micro), 0.6)
+
+    assert bubble(4, "1F1B", 1, 8) == pytest.approx(3 / 8)
+    assert bubble(4, "Interleaved1F1B", 2, 8) == pytest.approx(3 / 16)
+    assert bubble(2, "DualPipeV", 2, 4) == 0.0  # (p/2 - 1) = 0
+    assert 0 < bubble(16, "DualPipeV", 2, 32) < bubble(16, "1F1B", 1, 32)
+    assert bubble_fraction(PipelinePlan(), 0.6) == 0.0
 
 
 def test_constants_are_overridable_by_name():
@@ -66,10 +71,42 @@ def test_constants_are_overridable_by_name():
         Hardware().with_overrides(["flops=1"])
 
 
-@pytest.mark.slow
 def test_check_flags_refuses_what_the_config_refuses(debug_plan):
     ranked, _ = debug_plan
     r = ranked[0]
     bad = type(r)(plan=type(r.plan)(**{**r.plan.__dict__, "tp": 3}), memory_gib=r.memory_gib, time=r.time)
     with pytest.raises(ConfigError):
         check_flags("debugmodel", bad)
+
+
+def test_a_plan_holds_its_pipeline_plan_and_its_flags_give_it_back():
+    """The planner's layouts carry a `PipelinePlan` (the one reader of the pp* options): the printed
+    flags, read back by the config loader, are the same plan."""
+    from trainer.config import load_config
+    from trainer.layout_planner import Ranked
+
+    pipeline = PipelinePlan(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, pp_microbatches=4)
+    plan = Plan(4, 1, 2, 1, 1, 2, pipeline, 4, 1, 32, "full")
+    assert plan.pp == 2 and plan.field("pp_schedule") == "Interleaved1F1B" and plan.field("ep") == 2
+    ranked = Ranked(plan, 0.0, step_time(get_flavor("debugmodel"), plan, Hardware()))
+    cfg = load_config(["--model.flavor", "debugmodel", *ranked.flags()])
+    assert PipelinePlan.from_config(cfg.parallelism) == pipeline
+    assert find([ranked], pp=2, pp_stages_per_rank=2) == (1, ranked)
+    assert find([ranked], pp_schedule="1F1B") is None
+
+
+def test_ep_as_cp_is_enumerated_and_its_latent_exchange_timed():
+    """ep_as_cp layouts are candidates where the layout checks allow them (cp 1, ep > 1), with the
+    data ranks the layout gives (dp_shard / ep), and the step-time model times the context
+    exchange over the ep group, which plain ep does not have."""
+    from trainer.layout_planner import candidates
+
+    plans = list(candidates("debugmodel", 4, 8, 32, 8))
+    as_cp = [p for p in plans if p.ep_as_cp]
+    assert as_cp and all(p.cp == 1 and p.ep > 1 for p in as_cp)
+    assert all(p.dp * p.local_batch_size * p.accumulation == 8 for p in plans)
+    args, hw = get_flavor("debugmodel"), Hardware()
+    flat = Plan(4, 1, 4, 1, 1, 4, PipelinePlan(), 2, 1, 32, "none")
+    spread = Plan(4, 1, 4, 1, 1, 4, PipelinePlan(), 8, 1, 32, "none", ep_as_cp=True)
+    assert flat.dp == 4 and spread.dp == 1 and spread.context == 4
+    assert step_time(args, flat, hw)["exposed"]["cp"] == 0 < step_time(args, spread, hw)["exposed"]["cp"]

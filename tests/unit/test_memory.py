@@ -26,12 +26,22 @@ def test_cuda_terms_of_the_estimate():
     assert cuda["bf16_weight_copies"] == pytest.approx((params - embedding) * 2 / GiB)
     assert cuda["cublas_workspace"] == pytest.approx(32 / 1024) and 0 < cuda["allocator_rounding"] < 0.1
     assert cpu["bf16_weight_copies"] == cpu["allocator_rounding"] == cpu["cublas_workspace"] == 0
-    assert cuda["total"] > cpu["total"]
+    # CPU's RMSNorm keeps two fp32 copies of each norm's input (CUDA's fused kernel does not):
+    # four per block, and the final norm and three per MTP module beside the head.
+    a = get_flavor("proxy_1b")
+    per_block = 2 * 4 * (2 * a.dim + a.q_lora_rank + a.kv_lora_rank) * 4096
+    assert cpu["layers"] - cuda["layers"] == pytest.approx((a.n_layers + a.mtp_depth) * per_block / GiB)
+    assert cpu["logits_and_loss"] - cuda["logits_and_loss"] == pytest.approx(
+        (1 + 3 * a.mtp_depth) * a.dim * 2 * 4 * 4096 / GiB)
     # fp32 has no compute copies; FSDP sharding replaces them with its unsharded blocks.
     assert estimate("proxy_1b", *args, mixed_precision="float32")["gib"]["bf16_weight_copies"] == 0
     assert estimate("proxy_1b", 8, 1, 1, 1, 4096, 1, "none")["gib"]["bf16_weight_copies"] == 0
+    # The bool mask, and each attention call's additive copy in bf16 (12 blocks and the MTP block;
+    # one under full AC).
     mask = estimate("proxy_1b", *args, block_causal_sdpa=True)["gib"]["attention_mask"]
-    assert mask == pytest.approx(4096 * 4096 * 3 / GiB)
+    assert mask == pytest.approx(4096 * 4096 * (1 + 2 * 13) / GiB)
+    full = estimate("proxy_1b", *args[:-1], "full", block_causal_sdpa=True)["gib"]["attention_mask"]
+    assert full == pytest.approx(4096 * 4096 * (1 + 2) / GiB)
 
 
 def _cfg(*argv):
@@ -138,7 +148,8 @@ def _held_params(args, specs, rank_specs, embed_replica):
 
 @pytest.mark.parametrize("mixed_precision", ["bfloat16", "float32"])
 def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
-    """InterleavedZeroBubble against Interleaved1F1B on the same pp 2 x FSDP 2 layout and split:
+    """InterleavedZeroBubble against LoopedBFS (the same stages per rank, and at 2 micro-batches
+    the same in flight) on the same pp 2 x FSDP 2 layout and split:
     both hold their stages' fp32 gradient accumulators through the step (torch reduces a stage once
     per step); the zero-bubble one adds the stages' unsharded parameters (compute dtype) and drops
     the all-gathered blocks of the FSDP buffers (they are part of it), keeping one block's fp32
@@ -155,7 +166,7 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
         return estimate(**{**layout, **changes}, pipeline=plan)
 
     zb = estimate_with("InterleavedZeroBubble")
-    base = estimate_with("Interleaved1F1B")
+    base = estimate_with("LoopedBFS")
     assert base["gib"]["stage_unsharded_params"] == 0 < base["gib"]["stage_grad_accumulators"]
 
     args = get_flavor("debugmodel")
@@ -173,7 +184,68 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
     assert last["stage_grad_accumulators"] == pytest.approx(held * 4 / GiB)
     assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
     # Without sharding nothing is gathered or accumulated apart, and a zero-bubble schedule costs
-    # what Interleaved1F1B does.
-    assert estimate_with("Interleaved1F1B", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
+    # what LoopedBFS does.
+    assert estimate_with("LoopedBFS", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
     assert (estimate_with("InterleavedZeroBubble", dp_shard=1)["gib_per_pp_rank"]
-            == estimate_with("Interleaved1F1B", dp_shard=1)["gib_per_pp_rank"])
+            == estimate_with("LoopedBFS", dp_shard=1)["gib_per_pp_rank"])
+
+
+def test_ep_as_cp_splits_the_sequence_and_keeps_fsdp_over_dp_shard():
+    """ep_as_cp over dp_shard D, ep E holds what cp E over dp_shard D / E holds: the same FSDP
+    degree (D), expert split and tokens per rank (the context degree was once read as more FSDP)."""
+    as_cp = estimate("proxy_1b", 16, 4, 1, 1, 4096, 1, "none", ep_as_cp=True)
+    plain_cp = estimate("proxy_1b", 4, 4, 1, 4, 4096, 1, "none")
+    assert as_cp["gib"] == plain_cp["gib"]
+    assert as_cp["layout"]["gpus"] == 16 and as_cp["layout"]["ep_as_cp"]
+    whole = estimate("proxy_1b", 16, 4, 1, 1, 4096, 1, "none")["gib"]
+    assert whole["logits_and_loss"] == pytest.approx(4 * as_cp["gib"]["logits_and_loss"])
+    assert whole["params"] == as_cp["gib"]["params"]
+
+
+def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
+    """InterleavedZeroBubble against LoopedBFS (the same stages per rank and, at 2 micro-batches,
+    in flight), full AC, no FSDP:
+    the zero-bubble rank adds ZB_WEIGHT_PASS_RECOMPUTES copies of its largest stage's activations
+    without checkpointing, and so needs more with full AC than without (the dry run's finding)."""
+    from models.deepseek_v3.stats import stage_unit_costs
+    from trainer.config.pipeline_layout import PipelineCosts
+    from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES, _layer_activation_bytes
+
+    layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 2,
+              "device_type": "cpu", "mixed_precision": "float32"}
+
+    def with_schedule(schedule: str, ac: str) -> dict:
+        plan = PipelinePlan(pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=2)
+        return estimate(**layout, ac=ac, pipeline=plan)
+
+    zb, base = with_schedule("InterleavedZeroBubble", "full"), with_schedule("LoopedBFS", "full")
+    args = get_flavor("debugmodel")
+    plan = PipelinePlan(pp=2, pp_schedule="InterleavedZeroBubble", pp_stages_per_rank=2, pp_microbatches=2)
+    specs = plan.split(args.n_layers, args.mtp_depth, PipelineCosts(**stage_unit_costs(args, 256)))
+    fullest = zb["gib_per_pp_rank"].index(zb["gib"]["total"])
+    assert fullest == base["gib_per_pp_rank"].index(base["gib"]["total"])
+    stages = [[i >= args.n_dense_layers for i in s.layers] + [True] * (args.mtp_depth if s.last else 0)
+              for s in plan.rank_stages(specs, fullest)]
+    largest = max(sum(_layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
+    assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
+    for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
+        assert with_ac > without
+
+
+def test_micro_batches_in_flight_follow_each_schedules_warm_up():
+    """1F1B rank r holds pp - r micro-batches, GPipe all of them, Interleaved1F1B the stage chunks
+    of torch's own warm-up (`_get_warmup_ops`) in units of the rank's v stages (the dry run of
+    proxy_1b's last Interleaved1F1B rank: 0.985 with it, 1.66 with pp everywhere)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from trainer.memory import _in_flight
+
+    def depths(schedule: str, v: int, m: int) -> list[float]:
+        return [_in_flight(PipelinePlan(4, schedule, v, m), r) for r in range(4)]
+
+    assert depths("1F1B", 1, 8) == [4, 3, 2, 1]
+    assert depths("GPipe", 1, 8) == [8] * 4
+    for m in (4, 8, 12):
+        torch_chunks = [_get_warmup_ops(r, 2, m // max(1, m // 4), 4, m) for r in range(4)]
+        assert depths("Interleaved1F1B", 2, m) == [c / 2 for c in torch_chunks], m
+    assert depths("Interleaved1F1B", 2, 4) == [4, 4, 3, 2]
