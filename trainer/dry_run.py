@@ -39,9 +39,9 @@ import resource
 import tempfile
 import time
 import weakref
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -75,15 +75,25 @@ _NOT_COLLECTIVES = {"wait_tensor", "wait", "monitored_barrier_", "_wrap_tensor_a
 _FSDP_BUFFERS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
 
 
+class Collective(NamedTuple):
+    """One collective call: operator, group size, the bytes of its largest tensor (the whole
+    buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's or a point-to-point's
+    tensor, an all-to-all's input) and the shapes of its tensors, in argument order."""
+
+    name: str
+    group_size: int
+    nbytes: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
 class CollectiveRecorder(TorchDispatchMode):
-    """Records every collective a step issues: its operator, group size and the bytes of its
-    largest tensor (the whole buffer: an all-gather's output, a reduce-scatter's input, an
-    all-reduce's or a point-to-point's tensor, an all-to-all's input). Works the same on the fake
-    backend and on gloo, so a dry run's list compares with a real run's."""
+    """Records every collective a step issues (``calls``, in issue order). Works the same on the
+    fake backend and on gloo, so a dry run's list compares with a real run's; the MoE-overlap tests
+    compare the ranks' sequences with it (tests/distributed/moe_overlap_worker.py)."""
 
     def __init__(self, tracker: MemTracker | None = None):
         super().__init__()
-        self.calls: list[tuple[str, int, int]] = []
+        self.calls: list[Collective] = []
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,7 +106,7 @@ class CollectiveRecorder(TorchDispatchMode):
             tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
             size = next((s for s in map(_group_size, flat) if s is not None), 1)
             nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self.calls.append((name.rstrip("_"), size, nbytes))
+            self.calls.append(Collective(name.rstrip("_"), size, nbytes, tuple(tuple(t.shape) for t in tensors)))
         out = func(*args, **kwargs)
         if self.tracker is not None and name in _FSDP_BUFFERS:
             # FSDP's flat all-gather output and reduce-scatter input: communication buffers.
@@ -106,16 +116,13 @@ class CollectiveRecorder(TorchDispatchMode):
     def summary(self) -> list[dict]:
         """One row per (collective, group size): count and bytes (total and largest)."""
         rows: dict[tuple[str, int], dict] = {}
-        for name, size, nbytes in self.calls:
+        for name, size, nbytes, _ in self.calls:
             row = rows.setdefault((name, size), {"collective": name, "group_size": size, "count": 0, "bytes": 0,
                                                  "largest_bytes": 0})
             row["count"] += 1
             row["bytes"] += nbytes
             row["largest_bytes"] = max(row["largest_bytes"], nbytes)
         return sorted(rows.values(), key=lambda r: -r["bytes"])
-
-    def names_and_sizes(self) -> Counter:
-        return Counter((name, size) for name, size, _ in self.calls)
 
 
 def _group_size(arg) -> int | None:

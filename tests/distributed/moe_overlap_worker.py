@@ -6,8 +6,9 @@ DualPipeV on one of 4 ranks in ``pp 2 x dp_shard 2 x ep 2`` (``run_dualpipev``);
 
 From the same initial state (weights, MoE buffers, optimizer, LR schedule) each step object trains
 two steps on the same batches; each rank reports both runs' per-step losses and the names of the
-local gradients after step 1 (before clipping) that differ, and the overlapped run's step 2 collective sequence (the
-profiler's c10d ops with their shapes, an all-to-all's row counts left out, in issue order) and host reads.
+local gradients after step 1 (before clipping) that differ, and the overlapped run's step 2
+collective sequence (trainer/dry_run.py's ``CollectiveRecorder``: names, group sizes and shapes,
+an all-to-all's row counts left out, in issue order) and host reads.
 """
 
 from __future__ import annotations
@@ -67,26 +68,24 @@ def _train(trainer, step_object, batches, last_step=nullcontext) -> tuple[list[f
 
 @contextmanager
 def _collectives():
-    """Records the collectives (``ops``) and the host reads (``reads``) of what runs inside."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Records the collectives (``ops``, the dry run's recorder) and the host reads (``reads``) of
+    what runs inside."""
     from trainer.diagnostics import HostReadCounter
+    from trainer.dry_run import CollectiveRecorder
 
     seen = {}
     reads = HostReadCounter("cpu")
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, reads:
+    with CollectiveRecorder() as recorder, reads:
         yield seen
-    events = sorted((e for e in prof.events() if e.name.startswith("c10d::")), key=lambda e: e.time_range.start)
-    seen["ops"] = [_collective(e.name, e.input_shapes) for e in events]
+    seen["ops"] = [_collective(call) for call in recorder.calls]
     seen["reads"] = len(reads.reads)
 
 
-def _collective(name: str, shapes: list) -> str:
+def _collective(call) -> str:
     """A collective as every rank must issue it: the row counts of an all-to-all depend on this
     rank's routing, its row width and everything of the other collectives do not."""
-    if name.startswith("c10d::alltoall"):
-        shapes = [shape[1:] for shape in shapes]
-    return f"{name}{shapes}"
+    shapes = [shape[1:] for shape in call.shapes] if call.name.startswith("alltoall") else call.shapes
+    return f"{call.name}/{call.group_size}{shapes}"
 
 
 def _compare(trainer, plain, overlap) -> dict:
