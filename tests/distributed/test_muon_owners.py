@@ -63,6 +63,8 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
         for kind in ("grads", "weights"):
             assert [g["digests"][kind] for g in got[::2]] == [g["digests"][kind] for g in got[1::2]], kind
         assert got[0]["digests"]["grads"] != got[2]["digests"]["grads"]  # FSDP shards: other experts
+        # Experts spread evenly stay with a holder: only results move (to the other tp rank).
+        assert all(k in g["named_keys"] for g in got for k in g["owned_keys"] if k[0] == 1)
     flops = [g["flops"] for g in got]
     mean = sum(flops) / len(flops)
     print(f"{layout}: NS FLOPs per rank {[f'{f:.3g}' for f in flops]}, max / mean {max(flops) / mean:.3f}")
