@@ -15,10 +15,11 @@ stacks, so only its Newton-Schulz kernel and constants are reused and the step i
 * a routed-expert stack is sharded on its expert dim only (EP, and FSDP over efsdp shards dim 0
   again), so its matrices are whole wherever they are held. A stack a rank holds whole and alone
   (no efsdp shard, no replica) is orthogonalised there in one batched call, no communication.
-  Where several ranks hold the stack's expert-parallel slice (efsdp shards, replicas), each of its
-  expert matrices is orthogonalised once, by an owner among those ranks (trainer/muon_owners.py):
-  efsdp can exceed the experts per EP rank, leaving ranks with none, and replicas would each
-  repeat their experts.
+  Where several ranks hold the stack's expert-parallel slice (efsdp shards, replicas, and the tp
+  ranks, which all hold the same routed experts: `expert_replicas`), each of its expert matrices
+  is orthogonalised once, by an owner among those ranks (trainer/muon_owners.py): efsdp can
+  exceed the experts per EP rank, leaving ranks with none, and replicas would each repeat their
+  experts.
 * any other matrix held by several ranks (sharded or replicated) is orthogonalised once, by its
   owner among all ranks (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
   gets back its part of the result. The owner's matrix is the gathered one, so the update is one
@@ -37,13 +38,14 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # torch >= 2.9 (this trainer needs 2.11): the Newton-Schulz kernel behind torch.optim.Muon.
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 from models.moe.experts import GroupedExperts
-from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor
+from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor, mesh_ranks
 from trainer.muon_owners import OwnedExchange, consecutive_runs, expert_group, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -120,12 +122,16 @@ class MuonAdamW(torch.optim.Optimizer):
     its placements), so DCP reshards them into any layout; their dtype is `state_dtype`.
     `bucket_bytes` caps the whole matrices one collective moves to their NS owners
     (`trainer.muon_owners`); `chunk_numel` the elements of one run of foreach calls (`_chunks`).
+    `expert_replicas` is the mesh whose ranks hold the same routed-expert stacks outside the
+    stacks' own mesh (TP's: trainer/parallel/tensor_parallel.py leaves the routed experts whole on
+    every tp rank, with identical gradients), so that their expert matrices are pooled over it too.
     """
 
     def __init__(
         self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, state_dtype: torch.dtype = torch.float32,
         ns_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 256 * 2**20, chunk_numel: int = 2**20,
+        expert_replicas: DeviceMesh | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon=False, step=0)
@@ -134,6 +140,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.bucket_bytes = bucket_bytes
         self.chunk_numel = chunk_numel
+        self.expert_replicas = tuple(mesh_ranks(expert_replicas)) if expert_replicas is not None else ()
         self._exchanges: dict[int, OwnedExchange] = {}
         self._pooled: dict[int, list[torch.Tensor]] = {}  # per param group: its `_pooled` parameters
         self.register_load_state_dict_post_hook(_restore_state_dtype)
@@ -186,14 +193,14 @@ class MuonAdamW(torch.optim.Optimizer):
         """Each parameter's part of its orthogonalised update. A plain tensor, or a stack of whole
         expert matrices this rank holds alone: here. A matrix held by several ranks (a 2-D DTensor
         sharded or replicated, an expert matrix of a stack sharded or replicated within its
-        `expert_group`): on its owner (`trainer.muon_owners`), with every such matrix of the group,
+        `expert_group` or over `expert_replicas`): on its owner (`trainer.muon_owners`), with every such matrix of the group,
         whether or not this step gave it a gradient (zeros then, and the result unused): all ranks
         agree on what moves. A stack sharded inside its matrices (not a layout this trainer
         makes): gathered here."""
         steps, dtype = group["ns_steps"], self.ns_dtype
         key = self.param_groups.index(group)
         if key not in self._pooled:  # once: telling a pooled stack reads its mesh's ranks
-            self._pooled[key] = [p for p in group["params"] if _pooled(p)]
+            self._pooled[key] = [p for p in group["params"] if _pooled(p, self.expert_replicas)]
         pooled = self._pooled[key]
         ids = {id(p) for p in pooled}
         out: dict[int, torch.Tensor] = {}
@@ -212,14 +219,14 @@ class MuonAdamW(torch.optim.Optimizer):
             out.update(zip(map(id, pooled), parts))
         return [out[id(p)] for p in params]
 
-    def _exchange(self, key: int, group: dict, pooled: list[DTensor]) -> OwnedExchange:
+    def _exchange(self, key: int, group: dict, pooled: list[torch.Tensor]) -> OwnedExchange:
         """The owner plan of the group's pooled matrices, built at its first step (a collective of
         all ranks) and kept: owners and index maps depend only on shapes and placements. The NS
         work a rank does anyway (stacks it holds alone, plain matrices) is balanced against."""
         if key not in self._exchanges:
             ids = {id(p) for p in pooled}
             base = sum(ns_flops(local_tensor(p).shape, group["ns_steps"]) for p in group["params"] if id(p) not in ids)
-            self._exchanges[key] = OwnedExchange(pooled, base, group["ns_steps"], self.bucket_bytes)
+            self._exchanges[key] = OwnedExchange(pooled, base, group["ns_steps"], self.bucket_bytes, self.expert_replicas)
         return self._exchanges[key]
 
     def _adamw_(self, params: list[torch.Tensor], group: dict) -> None:
@@ -256,15 +263,14 @@ def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
     return [[params[i] for i in run] for run in consecutive_runs([local_tensor(p).numel() for p in params], numel)]
 
 
-def _pooled(p: torch.Tensor) -> bool:
+def _pooled(p: torch.Tensor, expert_replicas: tuple[int, ...] = ()) -> bool:
     """Whether `p`'s matrices are orthogonalised on owners (`trainer.muon_owners`): a 2-D DTensor
-    on a mesh of several ranks, or an expert stack of whole matrices whose `expert_group` has
-    several ranks (efsdp shards, replicas). A stack each rank holds whole and alone stays here."""
-    if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
-        return False
-    if p.ndim == 2:
-        return True
-    return p.ndim == 3 and holds_whole_matrices(p) and len(expert_group(p)) > 1
+    on a mesh of several ranks, or an expert stack of whole matrices (a plain tensor included)
+    whose `expert_group` has several ranks (efsdp shards, replicas) or that several
+    `expert_replicas` hold. A stack this rank holds whole and alone stays here."""
+    if p.ndim == 3 and holds_whole_matrices(p):
+        return len(expert_replicas) > 1 or (isinstance(p, DTensor) and len(expert_group(p)) > 1)
+    return p.ndim == 2 and isinstance(p, DTensor) and p.device_mesh.size() > 1
 
 
 def _restore_state_dtype(optimizer: MuonAdamW) -> None:

@@ -7,8 +7,9 @@ Instead (as torchtitan's DistMuon, Megatron's layer-wise distributed optimizer a
 * every matrix held by several ranks gets one owner, by longest-processing-time-first balancing
   of the NS cost (`assign_owners`), in one pass over all of them: a 2-D matrix (its DTensor mesh:
   FSDP, HSDP's replicas, TP, a pipeline stage's data-parallel ranks) among all ranks; an expert
-  matrix of a stack whose expert-parallel slice several ranks hold (efsdp shards, replicas) among
-  those ranks (`expert_group`); starting from the NS work each rank does anyway (stacks it holds
+  matrix of a stack whose expert-parallel slice several ranks hold (efsdp shards, replicas, and
+  TP's ranks, which all hold the same routed experts) among those ranks (`expert_group` joined
+  with the tp peers, `_joined_groups`); starting from the NS work each rank does anyway (stacks it holds
   alone). A pure function of the shapes and groups, so every rank computes the same owners, and
   benchmarks/optim_bench.py computes the 671B figures with the same code;
 * the matrices move in buckets of whole tensors, one `all_to_all_single` per bucket and
@@ -120,12 +121,16 @@ def consecutive_runs(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return runs
 
 
-def expert_group(p: DTensor) -> tuple[int, ...]:
+def expert_group(p: torch.Tensor) -> tuple[int, ...]:
     """The ranks among which each expert matrix of the stack `p` (`[E, A, B]`, sharded on dim 0
-    only) gets its owner: those of its mesh that hold the same expert-parallel slice, i.e. its
-    efsdp shards and replicas (the mesh's ranks with this rank's "ep" coordinate; every rank of a
-    mesh without an "ep" dim). Expert-parallel ranks hold different experts, so owners stay within
-    the slice and experts never cross EP groups; a group of one rank needs no communication."""
+    only) gets its owner, as far as its own mesh tells: those of its mesh that hold the same
+    expert-parallel slice, i.e. its efsdp shards and replicas (the mesh's ranks with this rank's
+    "ep" coordinate; every rank of a mesh without an "ep" dim; this rank alone for a plain
+    tensor). Expert-parallel ranks hold different experts, so owners stay within the slice and
+    experts never cross EP groups. Replicas outside the mesh (TP's, which leaves the routed
+    experts whole on every tp rank) join it in `OwnedExchange` (`_joined_groups`)."""
+    if not isinstance(p, DTensor):
+        return (dist.get_rank(),)
     mesh = p.device_mesh
     names = mesh.mesh_dim_names or ()
     if "ep" not in names:
@@ -167,10 +172,12 @@ class _Bucket:
 class OwnedExchange:
     """Moves this rank's Muon matrices held by several ranks to their owners and the results back,
     over the default process group. `params` are 2-D DTensors on meshes of several ranks (each one
-    matrix, in parts) and expert stacks `[E, A, B]` sharded on dim 0 only whose `expert_group` has
-    several ranks (each expert one whole matrix, held by one rank per replica). `base_flops` is
-    the NS work this rank does anyway (stacks it holds alone). Building it is a collective of all
-    ranks (the matrix lists, once, and the index maps of the 2-D parts).
+    matrix, in parts) and expert stacks `[E, A, B]` sharded on dim 0 only (or plain) whose
+    `expert_group` has several ranks or that `expert_replicas` (this rank and the ranks holding
+    the same stacks outside their mesh: its tp peers) replicate (each expert one whole matrix,
+    held by one rank per replica). `base_flops` is the NS work this rank does anyway (stacks it
+    holds alone). Building it is a collective of all ranks (the matrix lists, once, and the index
+    maps of the 2-D parts).
 
     2-D matrices may be owned by any rank, not only their holders: a pipeline stage's ranks hold
     only that stage's matrices, and stages differ in NS work (the debug model's first stage has
@@ -183,7 +190,8 @@ class OwnedExchange:
     direction over all ranks: disjoint expert groups share a bucket, so the count of collectives
     follows the busiest rank's bytes, not the world's."""
 
-    def __init__(self, params: Sequence[DTensor], base_flops: float, ns_steps: int, bucket_bytes: int):
+    def __init__(self, params: Sequence[torch.Tensor], base_flops: float, ns_steps: int, bucket_bytes: int,
+                 expert_replicas: Sequence[int] = ()):
         self.params = list(params)
         # What moves to the owners: the updates, in the parameters' dtype.
         self.dtype = self.params[0].dtype if self.params else torch.float32
@@ -191,30 +199,40 @@ class OwnedExchange:
         me = dist.get_rank()
         seen: dict[tuple, int] = {}
         mine = []  # (key, matrix shape, element size, elements held here, first replica, owner pool)
-        self.local: dict[tuple, tuple[int, int | None]] = {}  # key -> (position in params, expert index)
+        local: dict[tuple, tuple[int, int | None]] = {}  # key -> (position in params, expert index)
         for i, p in enumerate(self.params):
-            first, size = is_first_replica(p), p.element_size()
+            size = p.element_size()
             if p.ndim == 2:
                 holders = tuple(mesh_ranks(p.device_mesh))
                 n = seen[holders] = seen.get(holders, -1) + 1
                 key = (0, holders, n)
-                mine.append((key, tuple(p.shape), size, p.to_local().numel(), first, None))
-                self.local[key] = (i, None)
+                mine.append((key, tuple(p.shape), size, p.to_local().numel(), is_first_replica(p), None))
+                local[key] = (i, None)
                 continue
             group = expert_group(p)
             n = seen[group, "experts"] = seen.get((group, "experts"), -1) + 1
-            experts = local_part(torch.arange(p.shape[0], device=p.device), p).tolist()
+            experts = (local_part(torch.arange(p.shape[0], device=p.device), p).tolist() if isinstance(p, DTensor)
+                       else range(p.shape[0]))
             for j, e in enumerate(experts):
                 key = (1, group, n, e)
-                mine.append((key, tuple(p.shape[1:]), size, math.prod(p.shape[1:]), first, group))
-                self.local[key] = (i, j)
-        gathered = all_gather_objects((mine, base_flops))
+                mine.append((key, tuple(p.shape[1:]), size, math.prod(p.shape[1:]), True, group))
+                local[key] = (i, j)
+        gathered = all_gather_objects((mine, base_flops, tuple(expert_replicas)))
         world = len(gathered)
+        # An expert's key names the group its own mesh gives; ranks that replicate the stacks
+        # outside that mesh (tp peers) hold the same experts under their own groups: one group.
+        joined = _joined_groups([key[1] for entries, _, _ in gathered for key, *_ in entries if key[0] == 1]
+                                + [replicas for _, _, replicas in gathered if replicas])
+
+        def join(key: tuple) -> tuple:
+            return key if key[0] == 0 else (1, joined[key[1]], *key[2:])
+        self.local = {join(key): where for key, where in local.items()}
         catalogue: dict[tuple, tuple] = {}
         parts_of: dict[tuple, dict[int, tuple[int, bool]]] = {}  # key -> {holder: (elements, first replica)}
-        for r, (entries, _) in enumerate(gathered):
+        for r, (entries, _, _) in enumerate(gathered):
             for key, shape, size, numel, first, pool in entries:
-                catalogue[key] = (shape, size, pool)
+                key = join(key)
+                catalogue[key] = (shape, size, None if pool is None else key[1])
                 parts_of.setdefault(key, {})[r] = (numel, first)
         self.keys = sorted(catalogue, key=_plan_order(catalogue, parts_of))
         self.shapes = [catalogue[k][0] for k in self.keys]
@@ -222,7 +240,7 @@ class OwnedExchange:
         costs = [ns_flops(shape, ns_steps) for shape in self.shapes]
         pools = [catalogue[k][2] for k in self.keys]
         held = [None if pool is None else sorted(parts) for pool, parts in zip(pools, self.parts)]
-        self.owners = assign_owners(costs, world, [base for _, base in gathered], pools, held)
+        self.owners = assign_owners(costs, world, [base for _, base, _ in gathered], pools, held)
         self.buckets = []
         for run in self._runs([catalogue[k][1] for k in self.keys], bucket_bytes):
             plan = self._plan_whole if self.keys[run[0]][0] == 1 else self._plan_parts
@@ -407,6 +425,27 @@ class OwnedExchange:
             return recv, None
         work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, async_op=True)
         return recv, work
+
+
+def _joined_groups(groups: Sequence[Sequence[int]]) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each of `groups` (rank sets) mapped to the union of the groups it shares a rank with,
+    transitively (the connected components of the ranks): an expert group with the groups of the
+    ranks replicating its stacks. Groups that share no rank stay as they are."""
+    root: dict[int, int] = {}
+
+    def find(r: int) -> int:
+        while root.get(r, r) != r:
+            r = root[r]
+        return r
+    for group in groups:
+        for r in group[1:]:
+            a, b = find(group[0]), find(r)
+            if a != b:
+                root[max(a, b)] = min(a, b)
+    members: dict[int, list[int]] = {}
+    for r in sorted({r for group in groups for r in group}):
+        members.setdefault(find(r), []).append(r)
+    return {tuple(group): tuple(members[find(group[0])]) for group in groups}
 
 
 def _plan_order(catalogue: dict[tuple, tuple], parts_of: dict[tuple, dict[int, tuple[int, bool]]]):

@@ -58,7 +58,9 @@ def ns_dtype_for(setting: str, params: list[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
-def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.optim.Optimizer, list[StepHook]]:
+def build_optimizer(
+    model: nn.Module, opt_cfg, engram_cfg=None, expert_replicas=None
+) -> tuple[torch.optim.Optimizer, list[StepHook]]:
     """The optimizer of the ``[optimizer]`` section, and the step hooks it needs (the Engram
     tables' CPU-resident optimizer, `EngramOffloadStep`, when ``offload_optimizer_state`` is on).
 
@@ -70,7 +72,8 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.o
     Engram tables (``[engram]`` section) get their own group, tagged ``"engram": True``:
     LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam). Their state
     is checkpointed in a layout-independent form (row-sharded over the engram mesh, also when
-    it lives on the CPU with ``offload_optimizer_state``).
+    it lives on the CPU with ``offload_optimizer_state``). ``expert_replicas`` (the tp mesh, or
+    None) is where Muon's expert matrices are replicated beyond their own mesh (``MuonAdamW``).
     """
     tables = engram_table_params(model) if engram_cfg is not None and engram_cfg.enable else []
     muon = muon_params(model) if opt_cfg.name == "muon" else []
@@ -103,7 +106,7 @@ def build_optimizer(model: nn.Module, opt_cfg, engram_cfg=None) -> tuple[torch.o
             groups, **kwargs, weight_decay=opt_cfg.weight_decay, momentum=opt_cfg.muon_momentum,
             nesterov=opt_cfg.muon_nesterov, ns_steps=opt_cfg.muon_ns_steps,
             state_dtype=STATE_DTYPES[opt_cfg.state_dtype],
-            ns_dtype=ns_dtype_for(opt_cfg.muon_ns_dtype, decay + no_decay + muon),
+            ns_dtype=ns_dtype_for(opt_cfg.muon_ns_dtype, decay + no_decay + muon), expert_replicas=expert_replicas,
         )
     elif opt_cfg.name == "AdamW":
         kwargs.update(_implementation_kwargs(opt_cfg.implementation, decay + no_decay + tables))

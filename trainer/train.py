@@ -209,7 +209,10 @@ class Trainer:
         # fine because compilation is lazy (traced at the first step, on the real weights); the
         # loss gets its compiled twin here (docs/compile.md).
         self.loss_fn = build_loss_function(self.parallel_dims, t.compile)
-        self.optimizer, optimizer_hooks = build_optimizer(self.model, cfg.optimizer, cfg.engram)
+        # TP leaves the routed experts whole on every tp rank (trainer/parallel/tensor_parallel.py).
+        self.optimizer, optimizer_hooks = build_optimizer(
+            self.model, cfg.optimizer, cfg.engram, expert_replicas=self.parallel_dims.mesh_or_none("tp")
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
         self.step_hooks: list[StepHook] = [ExpertBiasUpdater(self.model, self.parallel.global_sum), *optimizer_hooks]

@@ -25,6 +25,9 @@ LAYOUTS = {
     "hsdp_2x2": (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"], None),
     # efsdp 2 over one expert per EP rank: one of the two efsdp ranks holds it, both orthogonalise.
     "dp_shard_4_ep_2_two_experts": (["--parallelism.dp_shard", "4", "--parallelism.ep", "2"], 2),
+    # TP leaves the routed experts whole on both tp ranks (FSDP shards them over dp_shard only):
+    # the tp peers are replicas, pooled with the FSDP shards.
+    "dp_shard_2_tp_2": (["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], None),
 }
 
 
@@ -38,8 +41,8 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
     import trainer.muon as muon
     from models.deepseek_v3 import get_flavor
     from tests.helpers import step_trainer
-    from trainer.distributed import local_part
-    from trainer.muon_owners import expert_group, ns_flops
+    from trainer.distributed import local_part, local_tensor
+    from trainer.muon_owners import ns_flops
 
     calls: dict[str, list] = {"matrix": [], "stack": []}
     kernels = {"matrix": muon.newton_schulz, "stack": muon.batched_newton_schulz}
@@ -63,12 +66,19 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
     try:
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         held = [p for g in trainer.optimizer.param_groups if g["muon"] for p in g["params"]]
+        stacks = [p for p in held if p.ndim == 3]
+        # Bitwise digests of this rank's expert gradients (before the step) and weights (after):
+        # replicas (tp peers) must agree on both.
+        digests = {}
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: digests.update(grads=_digest(local_tensor(p.grad) for p in stacks)))
         trainer.step = 1
         stats = trainer.train_step(trainer.next_microbatches()[0])
+        digests["weights"] = _digest(local_tensor(p).detach() for p in stacks)
         (exchange,) = trainer.optimizer._exchanges.values()
         # What this rank orthogonalised, by name: its owned matrices (named by their holders, in
         # the test) and the stacks it holds alone (each expert).
-        alone = [p for p in held if p.ndim == 3 and not muon._pooled(p)]
+        alone = [p for p in stacks if not muon._pooled(p, trainer.optimizer.expert_replicas)]
         local_experts = [(names[id(p)], e) for p in alone
                          for e in (local_part(torch.arange(p.shape[0]), p).tolist() if hasattr(p, "device_mesh")
                                    else range(p.shape[0]))]
@@ -77,7 +87,8 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
             "matrices": sorted(names[id(p)] for p in held if p.ndim == 2),
             "stacks": {names[id(p)]: p.shape[0] for p in held if p.ndim == 3},
             "stacks_alone": len(alone),
-            "expert_groups": sorted({expert_group(p) for p in held if p.ndim == 3 and muon._pooled(p)}),
+            "expert_groups": sorted({key[1] for key in exchange.keys if key[0] == 1 and rank in key[1]}),
+            "digests": digests,
             "calls": {k: len(v) for k, v in calls.items()},
             "ns_matrices": sum(1 if len(s) == 2 else s[0] for v in calls.values() for s, _ in v),
             "flops": sum(f for v in calls.values() for _, f in v),
@@ -92,11 +103,21 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
         trainer.close()
 
 
+def _digest(tensors) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     """Two Muon steps on matrices of odd shapes in each placement the trainer's layouts give a
     2-D parameter (FSDP, HSDP, FSDP x TP by rows and columns, FSDP over TP's dim, replicated) and
     an expert stack (FSDP over all ranks with an empty shard; efsdp 2 x EP 2 with one expert per EP
-    rank, so one efsdp rank holds none; HSDP 2 x EP 2, replicas holding whole experts), small
+    rank, so one efsdp rank holds none; HSDP 2 x EP 2, replicas holding whole experts; TP's
+    replicas: plain stacks on 4 tp ranks, and FSDP 2 x TP 2 with an empty shard), small
     buckets: whether each layout's weights equal one process's bitwise, every expert matrix of a
     stack having gone through the owner plan (pooled expert matrices are orthogonalised on owners,
     several to a batched call, where one process runs each whole stack in one call)."""
@@ -114,26 +135,30 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     flat, grid = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
     expert_grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     expert_hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    fsdp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     efsdp_ep = [_StridedShard(0, split_factor=2), Shard(0)]
     matrices = [(24, 40), (7, 9), (33, 16), (5, 64), (64, 8)]
-    # name: (mesh, placements, shapes)
+    # name: (mesh (None: plain tensors), placements, shapes, replicas outside the mesh)
     layouts = {
-        "fsdp": (flat, [Shard(0)], matrices),
-        "hsdp": (grid, [Replicate(), Shard(0)], matrices),
-        "fsdp_tp_rows": (grid, [Shard(0), Shard(1)], matrices),
-        "fsdp_over_tp": (grid, [_StridedShard(0, split_factor=2), Shard(0)], matrices),
-        "replicated": (flat, [Replicate()], matrices),
-        "experts_fsdp": (flat, [Shard(0)], [(6, 24, 40), (6, 7, 9), (6, 33, 16)]),
-        "experts_efsdp_2_ep_2": (expert_grid, efsdp_ep, [(2, 24, 40), (2, 33, 16)]),
-        "experts_hsdp_2_ep_2": (expert_hsdp, [Replicate(), *efsdp_ep], [(6, 7, 9), (6, 40, 24)]),
+        "fsdp": (flat, [Shard(0)], matrices, None),
+        "hsdp": (grid, [Replicate(), Shard(0)], matrices, None),
+        "fsdp_tp_rows": (grid, [Shard(0), Shard(1)], matrices, None),
+        "fsdp_over_tp": (grid, [_StridedShard(0, split_factor=2), Shard(0)], matrices, None),
+        "replicated": (flat, [Replicate()], matrices, None),
+        "experts_fsdp": (flat, [Shard(0)], [(6, 24, 40), (6, 7, 9), (6, 33, 16)], None),
+        "experts_efsdp_2_ep_2": (expert_grid, efsdp_ep, [(2, 24, 40), (2, 33, 16)], None),
+        "experts_hsdp_2_ep_2": (expert_hsdp, [Replicate(), *efsdp_ep], [(6, 7, 9), (6, 40, 24)], None),
+        # TP's replicas of the routed experts: plain stacks on 4 tp ranks, FSDP 2 x TP 2.
+        "experts_tp_4": (None, [], [(6, 7, 9), (3, 40, 24)], flat),
+        "experts_fsdp_2_tp_2": (fsdp_tp["fsdp"], [Shard(0)], [(6, 24, 40), (1, 33, 16)], fsdp_tp["tp"]),
     }
     kw = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, ns_dtype=torch.float32)
 
-    def trained(place, w0, grads) -> tuple[list[torch.Tensor], int]:
+    def trained(place, w0, grads, replicas=None) -> tuple[list[torch.Tensor], int]:
         """The weights after two steps, and the expert matrices the owner plan moves (-1 where the
         second step read a tensor's value on the host)."""
         params = [nn.Parameter(place(w.clone())) for w in w0]
-        opt = MuonAdamW([{"params": params, "muon": True}], bucket_bytes=4000, **kw)  # several buckets
+        opt = MuonAdamW([{"params": params, "muon": True}], bucket_bytes=4000, expert_replicas=replicas, **kw)
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = place(g.clone())
@@ -144,11 +169,13 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
         return weights, pooled if not reads.reads else -1
 
     out = {}
-    for name, (mesh, placements, shapes) in layouts.items():
+    for name, (mesh, placements, shapes, replicas) in layouts.items():
         w0 = [torch.randn(s, generator=gen) for s in shapes]
         grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
         want, _ = trained(lambda t: t, w0, grads)
-        got, pooled = trained(lambda t: distribute_tensor(t, mesh, placements, src_data_rank=None), w0, grads)
+        got, pooled = trained(
+            (lambda t: t) if mesh is None else lambda t: distribute_tensor(t, mesh, placements, src_data_rank=None),
+            w0, grads, replicas)
         stacked = sum(s[0] for s in shapes if len(s) == 3)
         out[name] = all(torch.equal(a, b) for a, b in zip(got, want)) and pooled == stacked
     dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Each Muon matrix is orthogonalised once (issue 32): one training step of the real trainer on 4
 gloo ranks under `dp_shard 4`, `pp 2 x dp_shard 2 x ep 2`, HSDP 2x2 (replicas of sharded expert
-stacks) and `dp_shard 4 x ep 2` with two routed experts (efsdp 2 over one expert per EP rank, so
-one efsdp rank of each pair holds none), counting every rank's Newton-Schulz calls
-(tests/distributed/muon_owner_worker.py).
+stacks), `dp_shard 4 x ep 2` with two routed experts (efsdp 2 over one expert per EP rank, so
+one efsdp rank of each pair holds none) and `dp_shard 2 x tp 2` (TP leaves the routed experts
+whole on both tp ranks: replicas, whose expert gradients and weights are checked bitwise equal),
+counting every rank's Newton-Schulz calls (tests/distributed/muon_owner_worker.py).
 
 What counts: a matrix is one 2-D matrix or one expert of a stack `[E, A, B]`. A call is one
 `newton_schulz` (a 2-D matrix on its owner) or one `batched_newton_schulz`: a stack a rank holds
@@ -56,6 +57,14 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
         # Owners within the expert-parallel slice: the ranks with one ep coordinate (ep fastest).
         ep = 2 if "ep_2" in layout else 1
         assert [g["expert_groups"] for g in got] == [[tuple(range(r % ep, 4, ep))] for r in range(4)]
+    if "tp_2" in layout:
+        # TP's replicas of the routed experts (tp fastest: ranks 2k and 2k + 1) see bitwise the same
+        # gradients, so pooling them is exact, and their weights stay the same after the step.
+        for kind in ("grads", "weights"):
+            assert [g["digests"][kind] for g in got[::2]] == [g["digests"][kind] for g in got[1::2]], kind
+        assert got[0]["digests"]["grads"] != got[2]["digests"]["grads"]  # FSDP shards: other experts
+        # Experts spread evenly stay with a holder: only results move (to the other tp rank).
+        assert all(k in g["named_keys"] for g in got for k in g["owned_keys"] if k[0] == 1)
     flops = [g["flops"] for g in got]
     mean = sum(flops) / len(flops)
     print(f"{layout}: NS FLOPs per rank {[f'{f:.3g}' for f in flops]}, max / mean {max(flops) / mean:.3f}")
@@ -65,4 +74,4 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
 @pytest.mark.slow
 def test_every_placement_gives_one_process_weights_bitwise(ranks):
     for r in ranks:
-        assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 8, r["placements"]
+        assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 10, r["placements"]

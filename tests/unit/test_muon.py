@@ -244,7 +244,3 @@ def test_muon_options_with_adamw_warn():
         "optimizer.qk_clip_every = 4 is ignored: optimizer.qk_clip is false.",
     ]
     assert load_config(["--optimizer.name", "muon", "--optimizer.muon_momentum", "0.9"]).warnings() == []
-    # TP leaves the routed experts whole on every tp rank, so each repeats their Newton-Schulz.
-    (tp_warning,) = load_config(["--optimizer.name", "muon", "--parallelism.tp", "2"]).warnings()
-    assert "each tp rank orthogonalises them (2 times" in tp_warning and "--parallelism.ep" in tp_warning
-    assert load_config(["--optimizer.name", "muon", "--parallelism.tp", "2", "--parallelism.ep", "2"]).warnings() == []

@@ -58,3 +58,17 @@ def test_held_matrices_stay_with_their_holders_unless_that_unbalances():
     assert assign_owners(costs, 2, holders=[[0], [1]] * 4) == [0, 1] * 4
     owners = assign_owners(costs, 4, holders=[[0]] * 8)
     assert [owners.count(r) for r in range(4)] == [2, 2, 2, 2] and owners[0] == 0
+
+
+def test_tp_replicas_join_expert_groups_within_their_ep_slice():
+    from trainer.muon_owners import _joined_groups
+
+    # dp_shard 2 x tp 2 (tp fastest): each fsdp group's tp peers hold the same experts.
+    joined = _joined_groups([(0, 2), (1, 3), (0, 1), (2, 3)])
+    assert set(joined.values()) == {(0, 1, 2, 3)}
+    # efsdp 2 x ep 2 x tp 2: the tp peers join their ep slice's group; ep slices stay apart.
+    joined = _joined_groups([(0, 4), (2, 6), (1, 5), (3, 7), (0, 1), (2, 3), (4, 5), (6, 7)])
+    assert joined[(0, 4)] == joined[(1, 5)] == (0, 1, 4, 5) and joined[(2, 6)] == joined[(3, 7)] == (2, 3, 6, 7)
+    # Plain stacks under tp 2: each rank's own group joins its peer's; without replicas nothing joins.
+    assert _joined_groups([(0,), (1,), (0, 1)])[(1,)] == (0, 1)
+    assert _joined_groups([(0, 2), (1, 3)]) == {(0, 2): (0, 2), (1, 3): (1, 3)}

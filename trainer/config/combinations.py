@@ -159,14 +159,6 @@ def combination_warnings(cfg: Any) -> list[str]:
             f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is more than training.steps = {t.steps}: "
             "the learning rate never reaches optimizer.lr; lower --lr_scheduler.warmup_steps."
         )
-    p = cfg.parallelism
-    if cfg.optimizer.name == "muon" and p.tp > 1 and p.ep == 1:
-        # trainer/parallel/tensor_parallel.py: TP leaves the routed experts whole on every tp rank.
-        warnings.append(
-            f"optimizer.name = 'muon' with parallelism.tp = {p.tp} and ep = 1: the routed experts are replicated "
-            f"over tp, so each tp rank orthogonalises them ({p.tp} times their Newton-Schulz); set --parallelism.ep "
-            "to shard them."
-        )
     if t.time_limit_minutes > 0 and not cfg.checkpoint.enable:
         warnings.append(
             "training.time_limit_minutes stops the run without saving it: checkpoint.enable is false; "

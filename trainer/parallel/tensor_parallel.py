@@ -18,7 +18,8 @@ tensors); each block all-gathers it before attention / FFN and reduce-scatters t
   sequence, and router and experts are replicated over tp (plain parameters, identical inputs,
   hence identical gradients; router counts are not multiplied by tp since they are reduced over
   the "loss" mesh only). Splitting the routed experts is expert parallelism's job: it shards
-  them over "ep", which can borrow the data ranks of the same tp group.
+  them over "ep", which can borrow the data ranks of the same tp group. Muon pools the tp ranks'
+  copies of each expert matrix and orthogonalises it once (`MuonAdamW(expert_replicas=)`).
 * output head: column-parallel with the logits left vocab-sharded (a `DTensor`) for
   `loss_parallel()`: `cross_entropy_sum` (and `mtp_loss`) then run on the shards without ever
   gathering `[B, S, vocab]`. The forward *and* backward of the loss must run inside
