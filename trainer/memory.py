@@ -407,11 +407,19 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
         g = est["gib"]
         biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads",
                        "stage_unsharded_params", "stage_grad_accumulators"), key=g.get)
+        fixes = ["lower training.seq_len or training.local_batch_size"]
+        if ac != "full":
+            fixes.append("use activation_checkpoint.mode full")
+        elif dims.pipeline.enabled and dims.pipeline.zero_bubble:
+            # The weight pass keeps its recomputes (module docstring): full AC is no cure there.
+            fixes.append(
+                f"use parallelism.pp_schedule Interleaved1F1B or 1F1B (under {dims.pipeline.pp_schedule} full AC "
+                "keeps the weight pass's recomputed activations, docs/performance.md)"
+            )
         raise ConfigError(
             f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
             f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "
             f"{cfg.activation_checkpoint.mode}; largest term {biggest} {g[biggest]:.1f} GiB, trainer/memory.py); "
-            "lower training.seq_len or training.local_batch_size, use activation_checkpoint.mode full, or shard "
-            "over more devices"
+            f"{', '.join(fixes)}, or shard over more devices"
         )
     return est

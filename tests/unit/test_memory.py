@@ -61,6 +61,22 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate():
     assert 0 < est["gib"]["total"] < 1
 
 
+@pytest.mark.parametrize("argv, advice, not_advised", [
+    ([], "use activation_checkpoint.mode full", "pp_schedule"),
+    (["--activation_checkpoint.mode", "full"], "lower training.seq_len", "use activation_checkpoint.mode full"),
+    # Under a zero-bubble schedule full AC keeps the weight pass's recomputes: another schedule helps.
+    (["--activation_checkpoint.mode", "full", "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"],
+     "use parallelism.pp_schedule Interleaved1F1B or 1F1B (under DualPipeV", "use activation_checkpoint.mode full"),
+])
+def test_the_refusal_advises_what_can_help(argv, advice, not_advised):
+    cfg = _cfg("--training.seq_len", "4096", *argv)
+    world = cfg.parallelism.pp
+    dims = ParallelDims.from_config(cfg.parallelism, world, cfg.engram)
+    with pytest.raises(ConfigError) as err:
+        check_fits(cfg, get_flavor("debugmodel"), dims, torch.device("cpu"), available=MiB)
+    assert advice in str(err.value) and not_advised not in str(err.value)
+
+
 def test_available_memory_on_cpu():
     free, where = available_bytes(torch.device("cpu"))
     assert free is not None and free > 0 and "CPU memory" in where
