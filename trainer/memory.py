@@ -12,17 +12,22 @@ Activations are estimates of the tensors autograd saves per token and layer
 `ac="full"` keeps each block's input plus one block's activations during recompute.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
 during backward while the saved activations are released, so the total holds parameters,
-optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
-(activations + logits + FSDP buffers + bf16 weight copies + the attention mask).
+optimizer states and the largest of (gradients + the embedding / head gradient temporaries),
+(activations + logits + FSDP buffers + bf16 weight copies + the attention mask) and the late
+backward (the first blocks': nearly all gradients, one block's activations and FSDP buffers, the
+logits the step keeps through ``loss.backward()``, and under FSDP the root's unsharded embedding /
+head and their unsharded gradients, in the compute dtype: the root is not resharded after forward).
 
 Pipeline stages under FSDP (``pp > 1``, ``dp_shard x cp > 1``): torch's schedules reduce a stage's
 gradients once per step (its ``REDUCE_GRAD``), so every unit of the rank's stages accumulates
-unsharded fp32 gradients through the step. The zero-bubble schedules (``ZERO_BUBBLE_SCHEDULES``)
-also keep the parameters unsharded after forward (``reshard_after_forward=False``, the condition of
-their split backward), in the compute dtype: ZeRO-2 within a step. Those parameters replace the
-all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer stays. Both are
-counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
-writes while the last accumulators are still held. A stage's backward temporaries (the embedding
+unsharded fp32 gradients through the step, and every backward but the step's last runs with
+``set_reshard_after_backward(False)``: from a stage's first backward on its parameters stay
+unsharded in the compute dtype (the zero-bubble schedules, ``ZERO_BUBBLE_SCHEDULES``, from the first
+forward on: ``reshard_after_forward=False``, the condition of their split backward): ZeRO-2 within
+a step. Those parameters replace the all-gathered blocks of the FSDP buffers; one block's fp32
+reduce-scatter buffer belongs to ``REDUCE_GRAD``, after the last backward. Both are counted outside
+the forward / backward maximum, as are the stages' receive buffers, which torch allocates for every
+micro-batch of the step up front, and the outputs of the in-flight micro-batches. A stage's backward temporaries (the embedding
 and head gradients) arise while the other in-flight micro-batches' activations are held, so under
 pp they add to the forward side; the micro-batches in flight follow each schedule's warm-up
 (``_in_flight``; both measured by the dry run, trainer/dry_run.py).
