@@ -181,6 +181,13 @@ def test_pipeline_stages_stay_unsharded_through_the_step(mixed_precision):
     assert last["stage_unsharded_params"] == pytest.approx(held * compute / GiB)
     assert last["stage_grad_accumulators"] == pytest.approx(held * 4 / GiB)
     assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
+    # That fp32 reduce-scatter buffer belongs to REDUCE_GRAD, after the last backward: beside the
+    # sharded gradients, not beside the activations.
+    held = sum(last[k] for k in ("params", "optimizer", "stage_unsharded_params", "stage_grad_accumulators",
+                                 "pipeline_buffers"))
+    sides = (last["grads"] + last["fsdp_unsharded_block"], last["layers"] + last["logits_and_loss"] + last["attention_mask"],
+             last["late_backward"] + last["attention_mask"])
+    assert last["total"] == pytest.approx(held + max(sides))
     # The fp32 embedding / head gradients are the accumulators; what passes is FSDP's unsharded
     # gradient in the compute dtype.
     assert last["backward_temporaries"] == pytest.approx(2 * args.vocab_size * args.dim * compute / GiB)
