@@ -27,10 +27,11 @@ forward on: ``reshard_after_forward=False``, the condition of their split backwa
 a step. Those parameters replace the all-gathered blocks of the FSDP buffers; one block's fp32
 reduce-scatter buffer belongs to ``REDUCE_GRAD``, after the last backward. Both are counted outside
 the forward / backward maximum, as are the stages' receive buffers, which torch allocates for every
-micro-batch of the step up front, and the outputs of the in-flight micro-batches. A stage's backward temporaries (the embedding
-and head gradients) arise while the other in-flight micro-batches' activations are held, so under
-pp they add to the forward side; the micro-batches in flight follow each schedule's warm-up
-(``_in_flight``; both measured by the dry run, trainer/dry_run.py).
+micro-batch of the step up front, and the outputs of the in-flight micro-batches. A stage's
+backward temporaries (the embedding and head gradients; in the compute dtype under FSDP, where the
+fp32 ones are the accumulators) arise while the other in-flight micro-batches' activations and the
+logits are held: the late-backward side; the micro-batches in flight follow each schedule's
+warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py).
 
 A zero-bubble schedule with full activation checkpointing: the weight pass of a stage
 (``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, each a graph task of
@@ -403,8 +404,7 @@ def _estimate_share(
         late = g["late_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
         peak = max(g["grads"] + g["fsdp_unsharded_block"], forward + g["attention_mask"], late)
     elif pipelined:
-        late = g["late_backward"] + g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["attention_mask"]
-        peak = max(g["grads"], forward + g["attention_mask"], late)
+        peak = g["backward_temporaries"] + max(g["grads"], forward + g["attention_mask"])
     else:
         late = g["grads"] + g["late_backward"] + g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["attention_mask"]
         peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"], late)
