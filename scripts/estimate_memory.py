@@ -73,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, label in (("params", "fp32 parameters"), ("grads", "fp32 gradients"),
                        ("backward_temporaries", "embed/head grad temps"), ("optimizer", "optimizer states"),
                        ("fsdp_unsharded_block", "FSDP unsharded blocks"),
-                       ("stage_unsharded_params", "stages unsharded (ZB)"),
+                       ("stage_unsharded_params", "stages unsharded"),
                        ("stage_grad_accumulators", "stage fp32 grad accum."),
+                       ("pipeline_buffers", "pipeline recv buffers"),
                        ("bf16_weight_copies", "bf16 weight copies"),
                        ("allocator_rounding", "allocator rounding"), ("cublas_workspace", "cuBLAS workspace"),
                        ("layers", "activations (blocks)"),
-                       ("logits_and_loss", "logits + loss"), ("total", "total (peak)")):
+                       ("logits_and_loss", "logits + loss"),
+                       ("late_backward", "late backward (w/o grads)"), ("total", "total (peak)")):
         print(f"  {label:<25} {r['gib'][key]:8.2f} GiB")
     verdict = "fits" if r["gib"]["total"] + 6 <= args.gpu_gib else "does NOT fit"
     print(f"  -> {verdict} in {args.gpu_gib:.0f} GiB with ~6 GiB for CUDA context, NCCL and fragmentation")

@@ -12,20 +12,26 @@ Activations are estimates of the tensors autograd saves per token and layer
 `ac="full"` keeps each block's input plus one block's activations during recompute.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
 during backward while the saved activations are released, so the total holds parameters,
-optimizer states and the larger of (gradients + the embedding / head gradient temporaries) and
-(activations + logits + FSDP buffers + bf16 weight copies + the attention mask).
+optimizer states and the largest of (gradients + the embedding / head gradient temporaries),
+(activations + logits + FSDP buffers + bf16 weight copies + the attention mask) and the late
+backward (the first blocks': nearly all gradients, one block's activations and FSDP buffers, the
+logits the step keeps through ``loss.backward()``, and under FSDP the root's unsharded embedding /
+head and their unsharded gradients, in the compute dtype: the root is not resharded after forward).
 
 Pipeline stages under FSDP (``pp > 1``, ``dp_shard x cp > 1``): torch's schedules reduce a stage's
 gradients once per step (its ``REDUCE_GRAD``), so every unit of the rank's stages accumulates
-unsharded fp32 gradients through the step. The zero-bubble schedules (``ZERO_BUBBLE_SCHEDULES``)
-also keep the parameters unsharded after forward (``reshard_after_forward=False``, the condition of
-their split backward), in the compute dtype: ZeRO-2 within a step. Those parameters replace the
-all-gathered blocks of the FSDP buffers; one block's fp32 reduce-scatter buffer stays. Both are
-counted outside the forward / backward maximum, next to the sharded gradients that ``REDUCE_GRAD``
-writes while the last accumulators are still held. A stage's backward temporaries (the embedding
-and head gradients) arise while the other in-flight micro-batches' activations are held, so under
-pp they add to the forward side; the micro-batches in flight follow each schedule's warm-up
-(``_in_flight``; both measured by the dry run, trainer/dry_run.py).
+unsharded fp32 gradients through the step, and every backward but the step's last runs with
+``set_reshard_after_backward(False)``: from a stage's first backward on its parameters stay
+unsharded in the compute dtype (the zero-bubble schedules, ``ZERO_BUBBLE_SCHEDULES``, from the first
+forward on: ``reshard_after_forward=False``, the condition of their split backward): ZeRO-2 within
+a step. Those parameters replace the all-gathered blocks of the FSDP buffers; one block's fp32
+reduce-scatter buffer belongs to ``REDUCE_GRAD``, after the last backward. Both are counted outside
+the forward / backward maximum, as are the stages' receive buffers, which torch allocates for every
+micro-batch of the step up front, and the outputs of the in-flight micro-batches. A stage's
+backward temporaries (the embedding and head gradients; in the compute dtype under FSDP, where the
+fp32 ones are the accumulators) arise while the other in-flight micro-batches' activations and the
+logits are held: the late-backward side; the micro-batches in flight follow each schedule's
+warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py).
 
 A zero-bubble schedule with full activation checkpointing: the weight pass of a stage
 (``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, each a graph task of
@@ -220,7 +226,9 @@ def estimate(
         ranks.append(_estimate_share(
             a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
             local_batch_size // micro, _in_flight(plan, rank), pipelined=True, zero_bubble=plan.zero_bubble,
-            stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine], **share,
+            stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine],
+            stage_io=(sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine)),
+            micro=micro, **share,
         ))
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
@@ -256,13 +264,16 @@ def _estimate_share(
     a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: float, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
     block_causal_sdpa: bool, optimizer: str, state_dtype: str, pipelined: bool = False, zero_bubble: bool = False,
-    stage_blocks: list[int] | None = None,
+    stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
     ``pipelined``: they are pipeline stages (fp32 gradient accumulators through the step under FSDP);
     ``zero_bubble``: of a zero-bubble schedule (their parameters unsharded through the step too);
-    ``stage_blocks``: how many of the blocks (then MTP modules) each of those stages runs, in order."""
+    ``stage_blocks``: how many of the blocks (then MTP modules) each of those stages runs, in order;
+    ``stage_io``: how many activation-sized buffers its stages receive per micro-batch (the input of a
+    stage not first, the output gradient of one not last), and how many of them are not last (their
+    output stays until its backward); ``micro``: the step's micro-batches."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -290,7 +301,11 @@ def _estimate_share(
     # Pipeline stages under FSDP: everything this rank holds, gathered over the FSDP ranks (still
     # split over tp and ep), as fp32 gradient accumulators and, zero-bubble, in the compute dtype.
     stage_params = split / tp + repl + experts / ep if pipelined and fsdp > 1 else 0.0
-    unsharded_stages = zero_bubble and stage_params > 0
+    # torch's pipeline stage runs every backward but the step's last with
+    # ``set_reshard_after_backward(False)`` (its ``backward_maybe_with_nosync``): from a stage's first
+    # backward on, its parameters stay unsharded in the compute dtype until ``REDUCE_GRAD``, under
+    # every schedule; the zero-bubble ones from the first forward on.
+    unsharded_stages = stage_params > 0
     # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
     # param dtype (already in stage_params when the stages stay unsharded), and the block being
     # reduced holds its fp32 unsharded gradient. Without sharding (one data rank) there is no
@@ -328,7 +343,9 @@ def _estimate_share(
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
     # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
     # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
-    backward_tmp = n_vocab_mats * a.vocab_size * a.dim / tp * 4 / GiB
+    # Pipeline stages under FSDP: the fp32 gradients are the accumulators (stage_grad_accumulators);
+    # what passes is FSDP's unsharded gradient, in the compute dtype.
+    backward_tmp = n_vocab_mats * a.vocab_size * a.dim / tp * (act_bytes if stage_params else 4) / GiB
     cuda = device_type == "cuda"
     embedding_local = a.vocab_size * a.dim / (tp * fsdp) if embed else 0.0
     copies = (local - embedding_local) * 2 if cuda and mixed_precision == "bfloat16" and fsdp == 1 else 0.0
@@ -342,6 +359,26 @@ def _estimate_share(
             count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes)
             for n in numels for nbytes, count in per_copy
         )
+    # Without pipelining, the late backward (the first blocks' backward): nearly every sharded
+    # gradient exists while one block's activations, its FSDP buffers and what the whole backward
+    # keeps are live. The step keeps the model's output, so every head use's logits, in the compute
+    # dtype, through ``loss.backward()`` (trainer/parallel/step.py). The FSDP root (embedding,
+    # head, final norm) is not resharded after forward (trainer/parallel/fsdp.py), and its
+    # unsharded gradients wait for its reduce-scatter at the end of backward: both in the compute
+    # dtype. Measured by the 671B FSDP 256 dry run (docs/performance.md).
+    # A pipeline stage's late backward: its in-flight micro-batches' activations, the logits and
+    # its embedding / head gradient temporaries (its root's parameters are in stage_unsharded_params).
+    held_logits = (1 + n_mtp) * tokens * a.vocab_size / tp * act_bytes if head else 0.0
+    if pipelined:
+        late_backward = held_logits + backward_tmp * GiB + act
+    else:
+        root_unsharded = 2 * embed_head / tp * act_bytes if fsdp > 1 else 0.0
+        late_backward = held_logits + root_unsharded + max(per_layer, default=0.0)
+    # torch's pipeline stage allocates its receive buffers for every micro-batch of the step up front
+    # (the inputs of a stage not first, the output gradients of one not last), and the schedule keeps
+    # each in-flight micro-batch's stage output until its backward.
+    received, not_last = stage_io
+    pipeline_buffers = (received * micro + not_last * in_flight) * tokens * a.dim / tp * act_bytes
     result = {
         "params_total_B": total_model / 1e9,
         "params_per_gpu_B": local / 1e9,
@@ -349,6 +386,7 @@ def _estimate_share(
             **states, "backward_temporaries": backward_tmp, "fsdp_unsharded_block": transient, **activations,
             "stage_unsharded_params": stage_params * act_bytes / GiB if unsharded_stages else 0.0,
             "stage_grad_accumulators": stage_params * 4 / GiB,
+            "late_backward": late_backward / GiB, "pipeline_buffers": pipeline_buffers / GiB,
             "bf16_weight_copies": copies / GiB, "allocator_rounding": rounding / GiB,
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
@@ -356,12 +394,20 @@ def _estimate_share(
     g = result["gib"]
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
     held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
-    if pipelined:
+    held += g["pipeline_buffers"]
+    if pipelined and stage_params:
         # A stage's backward (its embedding / head gradient temporaries) runs while the other
-        # in-flight micro-batches' activations are held: the two add up (the dry run's peak).
+        # in-flight micro-batches' activations are held: the two add up (the dry run's peak). The
+        # stages stay unsharded through their backwards, so no block is gathered or reduced then:
+        # the fp32 reduce-scatter buffers belong to REDUCE_GRAD, after the last backward.
+        forward -= g["fsdp_unsharded_block"]
+        late = g["late_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
+        peak = max(g["grads"] + g["fsdp_unsharded_block"], forward + g["attention_mask"], late)
+    elif pipelined:
         peak = g["backward_temporaries"] + max(g["grads"], forward + g["attention_mask"])
     else:
-        peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"])
+        late = g["grads"] + g["late_backward"] + g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["attention_mask"]
+        peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"], late)
     g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + peak
     return result
 

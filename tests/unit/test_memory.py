@@ -163,13 +163,13 @@ def _held_params(args, specs, rank_specs, embed_replica):
 
 
 @pytest.mark.parametrize("mixed_precision", ["bfloat16", "float32"])
-def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
+def test_pipeline_stages_stay_unsharded_through_the_step(mixed_precision):
     """InterleavedZeroBubble against LoopedBFS (the same stages per rank, and at 2 micro-batches
     the same in flight) on the same pp 2 x FSDP 2 layout and split:
     both hold their stages' fp32 gradient accumulators through the step (torch reduces a stage once
-    per step); the zero-bubble one adds the stages' unsharded parameters (compute dtype) and drops
-    the all-gathered blocks of the FSDP buffers (they are part of it), keeping one block's fp32
-    reduce-scatter buffer."""
+    per step) and their stages' unsharded parameters (compute dtype; the zero-bubble one from the
+    first forward, the other from the first backward), which replace the all-gathered blocks of the
+    FSDP buffers, keeping one block's fp32 reduce-scatter buffer."""
     from models.deepseek_v3.stats import stage_unit_costs
     from trainer.config.pipeline_layout import PipelineCosts, rank_stages, split_stages, stage_ranks
     from trainer.memory import ACT_BYTES, _block_params
@@ -183,22 +183,30 @@ def test_zero_bubble_stages_stay_unsharded_through_the_step(mixed_precision):
 
     zb = estimate_with("InterleavedZeroBubble")
     base = estimate_with("LoopedBFS")
-    assert base["gib"]["stage_unsharded_params"] == 0 < base["gib"]["stage_grad_accumulators"]
+    # torch's stage backward keeps the parameters unsharded from the first backward on under
+    # every schedule (set_reshard_after_backward(False)): the same peak as the zero-bubble one.
+    assert zb["gib_per_pp_rank"] == base["gib_per_pp_rank"]
 
     args = get_flavor("debugmodel")
     specs = split_stages(6, 1, 4, costs=PipelineCosts(**stage_unit_costs(args, 256)),
                          ranks=stage_ranks("Interleaved1F1B", 2, 4))
     moe_block = sum(_block_params(args, moe=True).values())  # the biggest block: its FSDP buffers
     compute = ACT_BYTES[mixed_precision]
-    for rank in range(2):
-        held = _held_params(args, specs, rank_stages(specs, "InterleavedZeroBubble", 2, rank), embed_replica=True)
-        extra = held * compute - moe_block * 2 * compute  # all unsharded, two gathered blocks fewer
-        assert zb["gib_per_pp_rank"][rank] - base["gib_per_pp_rank"][rank] == pytest.approx(extra / GiB), rank
     last = zb["gib"]  # the fullest rank: the last stage's, with the head and MTP
     held = _held_params(args, specs, rank_stages(specs, "InterleavedZeroBubble", 2, 1), embed_replica=True)
     assert last["stage_unsharded_params"] == pytest.approx(held * compute / GiB)
     assert last["stage_grad_accumulators"] == pytest.approx(held * 4 / GiB)
     assert last["fsdp_unsharded_block"] == pytest.approx(moe_block * 4 / GiB)
+    # That fp32 reduce-scatter buffer belongs to REDUCE_GRAD, after the last backward: beside the
+    # sharded gradients, not beside the activations.
+    held = sum(last[k] for k in ("params", "optimizer", "stage_unsharded_params", "stage_grad_accumulators",
+                                 "pipeline_buffers"))
+    sides = (last["grads"] + last["fsdp_unsharded_block"], last["layers"] + last["logits_and_loss"] + last["attention_mask"],
+             last["late_backward"] + last["attention_mask"])
+    assert last["total"] == pytest.approx(held + max(sides))
+    # The fp32 embedding / head gradients are the accumulators; what passes is FSDP's unsharded
+    # gradient in the compute dtype.
+    assert last["backward_temporaries"] == pytest.approx(2 * args.vocab_size * args.dim * compute / GiB)
     # Without sharding nothing is gathered or accumulated apart, and a zero-bubble schedule costs
     # what LoopedBFS does.
     assert estimate_with("LoopedBFS", dp_shard=1)["gib"]["stage_grad_accumulators"] == 0
@@ -265,3 +273,41 @@ def test_micro_batches_in_flight_follow_each_schedules_warm_up():
         torch_chunks = [_get_warmup_ops(r, 2, m // max(1, m // 4), 4, m) for r in range(4)]
         assert depths("Interleaved1F1B", 2, m) == [c / 2 for c in torch_chunks], m
     assert depths("Interleaved1F1B", 2, 4) == [4, 4, 3, 2]
+
+
+def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
+    """Without pp the first blocks' backward runs with nearly every sharded gradient, one block's
+    activations and its FSDP buffers, the logits the step keeps through backward (compute dtype, per
+    head use), and under FSDP the root's unsharded embedding and head and their unsharded gradients
+    (compute dtype; the root is not resharded after forward): the 671B FSDP 256 dry run's peak."""
+    from trainer.memory import _layer_activation_bytes
+
+    a = get_flavor("671B")
+    est = estimate("671B", 256, 64, 1, 1, 4096, 1, "full", device_type="cpu")["gib"]
+    logits = 2 * 4096 * a.vocab_size * 2  # main and MTP head, bf16
+    root = 2 * 2 * a.vocab_size * a.dim * 2  # embedding and head, parameters and gradients, bf16
+    block = _layer_activation_bytes(a, True, 1, 1, 2, fp32_norms=True) * 4096
+    assert est["late_backward"] == pytest.approx((logits + root + block) / GiB)
+    late = est["grads"] + est["late_backward"] + est["fsdp_unsharded_block"]
+    assert late > est["fsdp_unsharded_block"] + est["layers"] + est["logits_and_loss"]
+    assert est["total"] == pytest.approx(est["params"] + est["optimizer"] + late)
+    # One rank holds no FSDP root: only the logits and the block.
+    alone = estimate("debugmodel", 1, 1, 1, 1, 256, 4, "none", mixed_precision="float32", device_type="cpu")["gib"]
+    d = get_flavor("debugmodel")
+    block = max(_layer_activation_bytes(d, moe, 1, 1, 4) for moe in (False, True)) * 1024
+    assert alone["late_backward"] == pytest.approx((2 * 1024 * d.vocab_size * 4 + block) / GiB)
+
+
+def test_pipeline_stages_hold_their_receive_buffers_for_every_micro_batch():
+    """torch's stage allocates the receive buffers of every micro-batch up front (a stage not first:
+    its inputs, a stage not last: its output gradients); 1F1B's first rank also keeps the outputs
+    of its in-flight micro-batches (pp 4: 4) until their backward; the last rank's stage receives
+    only inputs and sends no output to keep."""
+    plan = PipelinePlan(pp=4, pp_schedule="1F1B", pp_stages_per_rank=1, pp_microbatches=8)
+    layout = ("debugmodel", 2, 1, 1, 1, 256, 8, "none")
+    est = estimate(*layout, mixed_precision="float32", device_type="cpu", pipeline=plan)
+    residual = 256 * get_flavor("debugmodel").dim * 4  # one micro-batch row's [seq, dim] in fp32
+    worst = est["gib_per_pp_rank"].index(est["gib"]["total"])
+    expected = {0: 8 + 4, 1: 2 * 8 + 3, 2: 2 * 8 + 2, 3: 8}[worst]
+    assert est["gib"]["pipeline_buffers"] == pytest.approx(expected * residual / GiB)
+    assert estimate(*layout, mixed_precision="float32", device_type="cpu")["gib"]["pipeline_buffers"] == 0
