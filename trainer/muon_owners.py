@@ -131,11 +131,8 @@ def expert_group(p: torch.Tensor) -> tuple[int, ...]:
     experts whole on every tp rank) join it in `OwnedExchange` (`_joined_groups`)."""
     if not isinstance(p, DTensor):
         return (dist.get_rank(),)
-    mesh = p.device_mesh
-    names = mesh.mesh_dim_names or ()
-    if "ep" not in names:
-        return tuple(mesh_ranks(mesh))
-    return tuple(mesh_ranks(mesh, same_as_me="ep"))
+    names = p.device_mesh.mesh_dim_names or ()
+    return tuple(mesh_ranks(p.device_mesh, same_as_me="ep" if "ep" in names else None))
 
 
 @dataclass
