@@ -86,9 +86,28 @@ def newton_schulz(matrix: torch.Tensor, ns_steps: int, dtype: torch.dtype = torc
 def batched_newton_schulz(stack: torch.Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`newton_schulz` of each matrix of the stack `[E, A, B]` in one batched computation (`bmm`,
     `baddbmm` over the expert dim): torch's kernel's operations in the same order, each matrix
-    scaled by its own Frobenius norm. docs/optimizers.md says how it compares with one matrix at a
-    time."""
+    scaled by its own Frobenius norm, and each matrix's result independent of the batch it is in
+    (`_apart`). docs/optimizers.md says how it compares with one matrix at a time."""
     return _iterate(stack, ns_steps, dtype)
+
+
+# Where a batched call lays each matrix of its results. MKL's small-matrix GEMM (the AVX2 paths
+# at least) rounds a product differently when its output does not start on a 16-byte boundary;
+# in a contiguous `[E, A, B]` with `A * B` not a multiple of 4 floats, matrix e starts at
+# `4 e A B` bytes, so the same matrix got other bits in a batch of another size or at another
+# position (an owner's bucket vs one process's whole stack, tests/unit/test_muon.py). 64 bytes is
+# the alignment torch's own allocations have, on CPU and on GPU.
+MATRIX_ALIGN_BYTES = 64
+
+
+def _apart(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """An empty `[E, rows, cols]` like `like`, each matrix row-major and starting
+    MATRIX_ALIGN_BYTES after a multiple of them, as every lone matrix does. Where `rows * cols`
+    fills whole alignment units (every real model's shape) this is the contiguous layout."""
+    unit = MATRIX_ALIGN_BYTES // like.element_size()
+    stride = -(-rows * cols // unit) * unit
+    flat = torch.empty(like.shape[0] * stride, dtype=like.dtype, device=like.device)
+    return flat.as_strided((like.shape[0], rows, cols), (stride, cols, 1))
 
 
 def _iterate(x: torch.Tensor, ns_steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,12 +116,17 @@ def _iterate(x: torch.Tensor, ns_steps: int, dtype: torch.dtype) -> torch.Tensor
     x = x.to(dtype)
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if x.ndim == 3 else x.norm()
-    x = x / norm.clamp(min=EPS)
-    mm = torch.baddbmm if x.ndim == 3 else torch.addmm
+    rows, cols = x.shape[-2:]
+    if x.ndim == 3:
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+        mm, product, out = torch.baddbmm, torch.bmm, lambda r, c: _apart(x, r, c)
+    else:
+        norm = x.norm()
+        mm, product, out = torch.addmm, torch.mm, lambda r, c: None
+    x = torch.div(x, norm.clamp(min=EPS), out=out(rows, cols))
     for _ in range(ns_steps):
-        gram = x @ x.mT
-        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram = product(x, x.mT, out=out(rows, rows))
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c, out=out(rows, rows)), x, beta=a, out=out(rows, cols))
     return x.mT if tall else x
 
 

@@ -203,10 +203,16 @@ def test_engram_pipeline_matches_one_process(runs, layout):
     single = runs("engram_single", SINGLE[0], [*PARITY, *ENGRAM, *SINGLE[1]])
     nproc, flags = ENGRAM_LAYOUTS[layout]
     got = runs(layout, nproc, [*PARITY, *flags])
-    # With the tables the norm drifts from step 3 while the losses agree to 2e-7 (the tables'
-    # Adam steps amplify reordered sums): 3.7e-6 at step 5 for 1F1B (engram_pp_2_fsdp_2_table_2),
-    # 9.1e-6 for DualPipeV, whose norms are compared where they are not yet amplified (0 and 1.7e-7).
-    _assert_parity(layout, got, range(1, 6), (0, 5), single, last_norm_step=2 if "dualpipev" in layout else 5)
+    # Gradient norms at steps 1 and 2 only, by the arithmetic (docs/engram.md, "Parity with one
+    # process"): step 1's gradients differ from one process's by the order of their fp32 sums
+    # alone, and step 2's also by the first Adam update, g / (|g| + eps) per entry, which moves the
+    # weights by the same bits except where |g| is near eps. From there the gate's derivative
+    # 1 / (2 sqrt(|s|)) (up to 500 at its 1e-6 floor) multiplies the last bits each step in
+    # key_norm's and query_norm's gradients (2e-7, 2.6e-5, 4.5e-4 apart at steps 1-3 for pp 2 x
+    # FSDP 2 x split tables), so later norms test the CPU's rounding, not the layout: the step-5
+    # norm was 3.7e-6 apart on an AVX-512 Xeon, 1.06e-5 on an AVX2 EPYC. The losses, which the
+    # gate barely moves, agree to 2e-7 over all five steps on both.
+    _assert_parity(layout, got, range(1, 6), (0, 5), single, last_norm_step=2)
 
 
 @pytest.mark.slow
