@@ -12,6 +12,8 @@ import torch
 from trainer.diagnostics import spawn_local
 from trainer.parallel.fsdp import EXPERTS_IN_BLOCK_UNIT
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 # Per compiled mode (training, then validation): the dense block, the MoE block's three pieces
 # (before dispatch(), between the exchanges, after exchange_back()), and the loss (training only).
 UNIQUE_GRAPHS = (1 + 3 + 1) + (1 + 3)

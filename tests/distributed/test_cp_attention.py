@@ -13,6 +13,8 @@ from models.common.attention import MLA, build_attention_mask
 from models.common.rope import precompute_freqs_cis
 from trainer.diagnostics import init_local_gloo, spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 WORLD = 2
 B, S, DIM, EOS = 2, 16, 32, 3
 

@@ -13,6 +13,8 @@ import pytest
 
 from trainer.diagnostics import spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 
 def _launch(world: int, ckpt_dir: str, *phases: tuple[int, str, bool]) -> list[dict]:
     """One launch of `world` ranks running `phases` ((degree, mode, offload) each) in turn; each

@@ -14,6 +14,8 @@ import pytest
 
 from trainer.diagnostics import spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
 
 

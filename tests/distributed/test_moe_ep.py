@@ -2,8 +2,11 @@
 MoE's outputs and gradients, and reads the host once per MoE layer (the split sizes)."""
 
 import moe_ep_worker
+import pytest
 
 from trainer.diagnostics import spawn_local
+
+pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 
 def test_ep2_matches_single_process_with_one_host_read_per_layer():

@@ -13,7 +13,7 @@ from trainer.diagnostics import spawn_local
 
 # One 2-rank launch (~50 s on 2 shared cores) serves the three tests without PP, one 4-rank
 # launch (~40 s) the two with DualPipeV.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ import pytest
 
 from trainer.diagnostics import free_port, spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:

@@ -41,7 +41,7 @@ WORLD_LAYOUTS = {
 TP_CP_LAYOUTS = {world: [name for name, (n, _) in tp_cp_parity.LAYOUTS.items() if n == world] for world in WORLD_LAYOUTS}
 REL = 1e-5
 # Two launches, about 50 s of the 2-core budget (46 s alone on 2026-11-26): the full suite only.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, reference: bool) -> dict:

@@ -23,6 +23,8 @@ import pytest
 from trainer.config.pipeline_layout import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from trainer.diagnostics import spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REL = 1e-5
 # (schedule, ep) under pp 2 x FSDP 2.
 FSDP_CASES = [(s, 1) for s in ZERO_BUBBLE_SCHEDULES] + [("DualPipeV", 2), ("ZBVZeroBubble", 2)]

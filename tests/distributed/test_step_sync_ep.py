@@ -8,6 +8,8 @@ import step_sync_worker
 
 from trainer.diagnostics import spawn_local
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:

@@ -9,6 +9,8 @@ import pytest
 
 from trainer.run_folder import latest_run_folder
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -16,6 +16,8 @@ from trainer.config import load_config
 from trainer.diagnostics import free_port
 from trainer.model_args import build_model_args
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 ENGRAM_CONFIG = REPO / "train_configs/debug_engram.toml"
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 from in_process import COMMON, assert_close, run_layout
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 # Warmup over steps 1-5 and no decay: steps 1-5 have the same LR in a 5-step and a 10-step run, so
 # a 5-step run compares with the first five steps of the 1-process 10-step run.

@@ -24,6 +24,8 @@ import torch
 from in_process import COMMON, assert_close, run_layout, run_main
 from torch._dynamo.utils import counters
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 MUON = ["--optimizer.name", "muon", "--no-validation.enable"]
 STEPS, MID, CLIP_EVERY = 6, 3, 2
 CLIP = ["--optimizer.qk_clip", "--optimizer.qk_clip_every", str(CLIP_EVERY), "--optimizer.qk_clip_threshold", "0.17"]

@@ -8,7 +8,10 @@ does (its reduce-scatter reorders bf16-computed gradients; measured 3.6e-5 again
 over 5 steps of the parity settings with bf16 instead of fp32.
 """
 
+import pytest
 from in_process import COMMON, launch, metrics_by_step, run_layout
+
+pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 BF16 = [*COMMON, "--training.mixed_precision_param", "bfloat16", "--training.steps", "5", "--no-validation.enable"]
 

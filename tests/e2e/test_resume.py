@@ -35,6 +35,8 @@ from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.train import Trainer, main, run
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10  # checkpoints at STEPS / 2 and STEPS: 10 straight vs 5, kill, resume, 5 more
 BASE = [

@@ -32,6 +32,8 @@ from trainer.checkpoint import list_checkpoints
 from trainer.diagnostics import free_port
 from trainer.train import main
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 ARGS = [

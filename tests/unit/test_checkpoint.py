@@ -27,6 +27,8 @@ from trainer.checkpoint import (
 from trainer.checkpoint.folder import checkpoint_shapes
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 
 def tiny_args(dim: int = 32) -> DeepSeekV3ModelArgs:
     return DeepSeekV3ModelArgs(

@@ -18,6 +18,8 @@ from models.moe import MoE
 from trainer.loss import cross_entropy_sum
 from trainer.parallel.compile import apply_compile, compile_dynamo_config, compiled_cross_entropy_sum
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 BATCH, SEQ = 2, 64
 # Compiled steps with changing routing: the patterns of `_force_routing` cycle every 3 steps, so
 # 12 steps (11 with recompiles armed) show each pattern 4 times, and as often as each other.

@@ -19,6 +19,8 @@ from models.engram import (
     normalize_token_text,
 )
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 INT64_MAX = 2**63 - 1
 
 

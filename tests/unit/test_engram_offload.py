@@ -11,6 +11,8 @@ from trainer.config import load_config
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.optim import build_optimizer
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 ENGRAM = EngramArgs(layer_ids=(0, 1), max_ngram=3, heads_per_order=2, base_size=37, head_dim=4)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

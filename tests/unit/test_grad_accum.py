@@ -1,9 +1,12 @@
 """Gradient accumulation trains the same model as one big batch (fp32, CPU)."""
 
+import pytest
 import torch
 
 from trainer.config import load_config
 from trainer.train import Trainer
+
+pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 
 def _trainer(tmp_path, name, local_batch):

@@ -27,6 +27,8 @@ from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
 from models.moe import MoEArgs  # noqa: E402
 from trainer.checkpoint import load_hf_weights, read_model_state_dict, save_model_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts" / "convert_hf.py")
 convert_hf = importlib.util.module_from_spec(_spec)

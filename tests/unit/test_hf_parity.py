@@ -21,6 +21,8 @@ from models.deepseek_v3.hf_io import args_from_hf_config, read_hf_config  # noqa
 from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
 from models.moe import MoEArgs  # noqa: E402
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 VOCAB = 160
 N_EXPERTS = 8
 

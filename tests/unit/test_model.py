@@ -18,6 +18,8 @@ from models.deepseek_v3 import (
 )
 from models.deepseek_v3.mtp import mtp_input_ids
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 EOS = 1
 
 

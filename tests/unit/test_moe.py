@@ -16,6 +16,8 @@ from models.moe import (
 )
 from models.moe.permutation import permute, sort_by_expert, unpermute
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 DIM, INTER = 32, 16
 
 

@@ -17,6 +17,8 @@ from models.moe import MoE
 from models.moe.permutation import permute, sort_by_expert, unpermute
 from trainer.diagnostics import HostReadCounter
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 ATOMIC_OPS = ("aten::index_add", "aten::index_put", "aten::scatter_add")
 
 

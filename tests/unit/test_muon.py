@@ -12,6 +12,8 @@ from trainer.config import JobConfig
 from trainer.muon import MuonAdamW, batched_newton_schulz, muon_params, orthogonalize, rms_matched_scale
 from trainer.optim import build_optimizer
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 
 def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Keller Jordan's quintic iteration X <- aX + (b XX^T + c (XX^T)^2) X on the wide orientation,

@@ -15,6 +15,8 @@ from trainer.lr_schedule import build_lr_scheduler
 from trainer.muon import MuonAdamW
 from trainer.optim import build_optimizer
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 ARGS = dataclasses.replace(get_flavor("debugmodel"), n_layers=2, dim=32, inter_dim=64, moe_inter_dim=16, n_heads=2,
                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_seq_len=16,
                            mtp_depth=0, vocab_size=32, eos_id=1)

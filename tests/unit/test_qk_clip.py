@@ -15,6 +15,8 @@ from trainer.loss import cross_entropy_sum
 from trainer.parallel.compile import apply_compile
 from trainer.qk_clip import QKClip, rescale_heads
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 NOPE, ROPE, V, HEADS = 8, 4, 6, 3
 
 

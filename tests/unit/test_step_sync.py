@@ -16,6 +16,8 @@ from trainer.loss import IGNORE_INDEX
 from trainer.parallel import ParallelDims, ParallelStep
 from trainer.train import Trainer
 
+pytestmark = pytest.mark.numerics  # docs/numerics.md
+
 LAYOUT_NAMES = {"tp", "cp", "ep", "dp", "world_size", "parallel_dims", "context_parallel", "fsdp", "hsdp"}
 
 
