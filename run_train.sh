@@ -89,13 +89,17 @@ if (( NNODES == 1 && ! single )) && [[ -n "${MASTER_PORT:-}" ]]; then
 elif (( NNODES > 1 && NODE_RANK == 0 )); then
   port_check=(--rendezvous-host-port "${MASTER_PORT:-29500}")
 fi
-python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" --restarts "$RESTARTS" "${port_check[@]}" \
-  --job.config_file "$CONFIG_FILE" "$@"
+# A dry run rehearses dry_run.world_size ranks in one process: the check says so ("dry_run").
+launch=$(python3 -m trainer.config.check --world-size "$((NNODES * NGPU))" --restarts "$RESTARTS" \
+  "${port_check[@]}" --print-launch --job.config_file "$CONFIG_FILE" "$@")
 for arg in "$@"; do
-  [[ "$arg" == "-h" || "$arg" == "--help" ]] && exit 0
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+    printf '%s\n' "$launch"
+    exit 0
+  fi
 done
 
-if (( single )); then
+if (( single )) || [[ "$launch" == dry_run ]]; then
   exec python3 -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 

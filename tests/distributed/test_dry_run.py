@@ -37,12 +37,16 @@ def _dry(*args: str) -> dict:
     return report
 
 
-def _dry_command(tmp_path: Path, *args: str) -> list[dict]:
-    """``python -m trainer.train --job.dry_run ...`` in a process of its own: its JSON report."""
+def _dry_command(tmp_path: Path, *args: str, ngpu: int = 0) -> list[dict]:
+    """``python -m trainer.train --job.dry_run ...`` in a process of its own, or with `ngpu`
+    ``NGPU=ngpu run_train.sh --job.dry_run ...`` (one process all the same, checked against the
+    rehearsed world): its JSON report."""
     out = tmp_path / "dry_run.json"
+    launcher = ["bash", "run_train.sh"] if ngpu else [sys.executable, "-m", "trainer.train"]
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *DEBUG, "--job.dry_run", "--dry_run.output_json", str(out), *args],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+        [*launcher, *DEBUG, "--job.dry_run", "--dry_run.output_json", str(out), *args],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": str(ngpu or 1)}, capture_output=True, text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -70,7 +74,8 @@ def _pairs(collectives: list[dict]) -> Counter:
     ],
 )
 def test_dry_run_builds_the_debug_model_at_world(world, args, stages, tmp_path):
-    (r,) = _dry_command(tmp_path, "--dry_run.world_size", str(world), *args)
+    # The V-schedule case goes through run_train.sh on 2 "GPUs", as a user would start it (issue 44).
+    (r,) = _dry_command(tmp_path, "--dry_run.world_size", str(world), *args, ngpu=2 if stages and world == 8 else 0)
     assert r["world_size"] == world and r["stages"] == stages
     pairs = _pairs(r["collectives"])
     cfg = load_config([*DEBUG, "--dry_run.world_size", str(world), *args])

@@ -187,6 +187,24 @@ def test_prelaunch_check_passes_good_layouts(capsys, tmp_path):
     assert capsys.readouterr().err == ""
 
 
+def test_a_dry_run_is_checked_against_the_world_it_rehearses(capsys, tmp_path):
+    """`run_train.sh --job.dry_run` (issue 44): the layout is checked against dry_run.world_size,
+    not NNODES x NGPU, and the check tells run_train.sh to launch one process; a taken port does
+    not matter to a run that starts no rendezvous."""
+    layout = ["--parallelism.pp", "2", "--parallelism.dp_shard", "4", "--parallelism.ep", "2"]
+    dry = ["--job.dry_run", "--dry_run.world_size", "8", "--job.dump_folder", str(tmp_path / "run"), *layout]
+    with _held_port() as port:
+        assert main(["--world-size", "2", "--free-port", f"127.0.0.1:{port}", "--print-launch", *dry]) == 0
+    assert capsys.readouterr().out == "dry_run\n"
+    assert main(["--world-size", "2", "--print-launch", "--job.dump_folder", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == "train\n"
+    assert main(["--world-size", "8", *dry, "--dry_run.world_size", "16"]) == 2
+    assert "!= world size 16" in capsys.readouterr().err
+    # No advice from a world that has no ranks.
+    assert main(["--world-size", "1", "--job.dry_run", "--dry_run.world_size", "-8"]) == 2
+    assert capsys.readouterr().err == "config error: dry_run.world_size must be >= 1, got -8.\n"
+
+
 def test_prelaunch_check_needs_a_world_size():
     with pytest.raises(SystemExit, match="--world-size must be a positive integer"):
         main(["--training.steps", "3"])

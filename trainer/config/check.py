@@ -6,7 +6,10 @@ TP/CP splits do not divide, a dump folder that cannot be created, a local datase
 no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken, with
 `--rendezvous-host-port` the port node 0 of a multi-node job is to host the rendezvous on, taken,
 with `--restarts N` torchrun restarts that could not resume) fails in a second with one
-`config error: ...` line and exit code 2, instead of in every rank's traceback.
+`config error: ...` line and exit code 2, instead of in every rank's traceback. A dry run
+(`--job.dry_run`) is checked against the world it rehearses (`dry_run.world_size`), not N: it runs
+in one process. `--print-launch` prints how run_train.sh is to launch the job (`train` or
+`dry_run`) on stdout.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
 Torch-free.
@@ -35,16 +38,23 @@ from trainer.config.loader import load_config
 
 USAGE = (
     "usage: python -m trainer.config.check --world-size N [--restarts N] "
-    "[--free-port ADDR:PORT | --rendezvous-host-port PORT] [--section.key VALUE ...]"
+    "[--free-port ADDR:PORT | --rendezvous-host-port PORT] [--print-launch] [--section.key VALUE ...]"
 )
 
 
-def check_job(argv: list[str], world_size: int, restarts: int = 0) -> None:
+def check_job(argv: list[str], world_size: int, restarts: int = 0) -> str:
+    """Check the job; returns how run_train.sh is to launch it: "dry_run" (one process, whatever
+    NNODES x NGPU: it rehearses `dry_run.world_size` ranks, against which its layout is checked)
+    or "train"."""
     cfg = load_config(argv)
+    if cfg.job.dry_run:
+        check_model_fit(cfg, Layout.from_job(cfg, cfg.dry_run.world_size))
+        return "dry_run"
     check_model_fit(cfg, Layout.from_job(cfg, world_size))
     check_dump_folder(cfg.job.dump_folder)
     check_data_files(cfg)
     check_restarts(cfg, restarts)
+    return "train"
 
 
 def check_restarts(cfg, restarts: int) -> None:
@@ -163,6 +173,11 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def _take_flag(argv: list[str], name: str) -> tuple[bool, list[str]]:
+    """Whether the bare flag `name` is in argv, and argv without it."""
+    return name in argv, [token for token in argv if token != name]
+
+
 def main(argv: list[str] | None = None) -> int:
     world, rest = _take_option(sys.argv[1:] if argv is None else list(argv), "--world-size")
     if world is None or not world.isdigit() or int(world) < 1:
@@ -174,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{USAGE}\n--rendezvous-host-port must be a port number, got {host_port!r}")
     if restarts is not None and not restarts.isdigit():
         raise SystemExit(f"{USAGE}\n--restarts must be a non-negative integer, got {restarts!r}")
+    print_launch, rest = _take_flag(rest, "--print-launch")
     try:
-        if free_port is not None:
+        launch = check_job(rest, int(world), int(restarts or 0))
+        if launch == "train" and free_port is not None:
             check_free_port(free_port)
-        if host_port is not None:
+        if launch == "train" and host_port is not None:
             check_rendezvous_host_port(int(host_port))
-        check_job(rest, int(world), int(restarts or 0))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if print_launch:
+        print(launch)
     return 0
 
 

@@ -471,8 +471,8 @@ class DryRun(Section):
     def problems(self) -> list[str]:
         return failed_checks(
             (self.world_size >= 1, f"dry_run.world_size must be >= 1, got {self.world_size}."),
-            (
-                -1 <= self.rank < self.world_size,
+            (  # a rank is checked against a valid world only (world -8 has no ranks to name)
+                self.world_size < 1 or -1 <= self.rank < self.world_size,
                 f"dry_run.rank {self.rank} is outside the world of dry_run.world_size {self.world_size} ranks; "
                 f"pick a rank in 0..{self.world_size - 1}, or -1 for the default ranks.",
             ),
