@@ -106,6 +106,22 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "3"], ["parallelism.ep = 3 must divide"]),
         (2, ["--training.global_batch_size", "24"], ["global_batch_size = 24", "8 x 2", "multiple of 16"]),
         (2, ["--training.stpes", "3"], ["did you mean --training.steps"]),
+        # Advice the same check accepts (issue 44): no dp_shard that ep cannot divide, no
+        # micro-batch count the schedule refuses.
+        (
+            2000, ["--model.flavor", "671B", "--parallelism.pp", "16", "--parallelism.ep", "64", "--parallelism.dp_shard", "128"],
+            ["!= world size 2000; use a world size that is a multiple of 1024", "dp_shard = 125 would leave"],
+        ),
+        (
+            4, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard", "2",
+                "--training.local_batch_size", "2"],
+            ["pick pp_microbatches in none: raise local_batch_size"],
+        ),
+        (
+            4, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard", "2",
+                "--training.local_batch_size", "6"],
+            ["pick pp_microbatches in [6]"],
+        ),
         # Pipeline layouts torch's schedules would refuse (issue 20).
         (4, ["--parallelism.pp", "3"], ["parallelism.pp = 3 does not divide the world size 4", "[1, 2, 4]"]),
         (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Looped"], ["pp_schedule = 'Looped'", "LoopedBFS"]),

@@ -10,11 +10,12 @@ The rank layout and the meshes built on it are described in trainer/parallel/par
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainer.config.fields import ConfigError
-from trainer.config.pipeline_layout import PipelinePlan
+from trainer.config.pipeline_layout import PipelinePlan, schedule_problems
 
 
 class LayoutError(ConfigError):
@@ -95,11 +96,19 @@ class Layout:
             self.dp_shard = w // others
         product = others * self.dp_shard
         if product != w:
-            fit = f"dp_shard = {w // others}" if w % others == 0 else f"degrees whose product is {w}"
+            fit = f"dp_shard = {w // others} (or dp_shard = -1 to infer it)"
+            if w % others:
+                fit = f"degrees whose product is {w} (or dp_shard = -1 to infer it)"
+            elif self.ep > 1 and (w // others * self.cp) % self.ep:
+                # That dp_shard would fail the ep check below: advise what passes both.
+                fit = (
+                    f"a world size that is a multiple of {others * self.ep // math.gcd(self.ep, self.cp)} "
+                    f"(dp_shard = {w // others} would leave dp_shard x cp = {w // others * self.cp}, which "
+                    f"ep = {self.ep} does not divide)"
+                )
             raise LayoutError(
                 f"parallelism {pp_name}dp_replicate x dp_shard x cp x tp = {pp_value}{self.dp_replicate} x "
-                f"{self.dp_shard} x {self.cp} x {self.tp} = {product} != world size {w}; use {fit} "
-                "(or dp_shard = -1 to infer it)"
+                f"{self.dp_shard} x {self.cp} x {self.tp} = {product} != world size {w}; use {fit}"
             )
         block = self.dp_shard * self.cp
         if self.ep > 1 and block % self.ep:
@@ -140,7 +149,7 @@ class Layout:
             raise LayoutError(
                 f"parallelism.pp_microbatches = {micro} must divide training.local_batch_size = "
                 f"{local_batch_size} (each local batch is one pipeline run); pick pp_microbatches in "
-                f"{[d for d in divisors(local_batch_size) if d >= self.pp] or 'none: raise local_batch_size'}"
+                f"{self._fitting_microbatches(local_batch_size) or 'none: raise local_batch_size'}"
             )
         per_step = local_batch_size * self.dp_degree
         if global_batch_size == -1:
@@ -151,6 +160,12 @@ class Layout:
                 f"data-parallel degree = {local_batch_size} x {self.dp_degree}; pick a multiple of {per_step}"
             )
         return global_batch_size // per_step
+
+    def _fitting_microbatches(self, local_batch_size: int) -> list[int]:
+        """The micro-batch counts that divide the local batch and that the schedule takes."""
+        plan = self.pipeline
+        return [d for d in divisors(local_batch_size)
+                if not schedule_problems(plan.pp_schedule, plan.pp, plan.pp_stages_per_rank, d)]
 
     def check_shapes(
         self,
