@@ -30,6 +30,7 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, count_param
 from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.config.pipeline_layout import PipelinePlan
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.distributed import (
     collective_timeout_message,
@@ -328,6 +329,7 @@ class Trainer:
         cfg.save_toml(self.run_dir / "config.toml")
         logger.info("git revision %s | %s", git_revision(), " ".join(f"{k} {v}" for k, v in versions().items()))
         logger.info("device %s | %s", device_description(self.device), self.parallel_dims.describe())
+        logger.info("optional features: %s", ", ".join(active_features(cfg, self.parallel_dims.world_size)) or "none")
         logger.info(
             "model %s/%s: %.2fM params total, %.2fM active per token%s | %.3g training FLOPs/token "
             "(6 x active non-embedding params + attention, no causal halving)",
@@ -475,8 +477,13 @@ class Trainer:
                 stop.uninstall()
             self.profiler.close()
             self.checkpointer.wait()
-        if stop_reason is not None:
+        if stop_reason is not None and self.cfg.checkpoint.enable:
             logger.info("stopped at step %d (%s); resume with the same command", self.step, stop_reason)
+        elif stop_reason is not None:
+            logger.info(
+                "stopped at step %d (%s); checkpoint.enable is off, so nothing was saved and the same command "
+                "starts again from step 0 (add --checkpoint.enable to make a stop resumable)", self.step, stop_reason,
+            )
         logger.info("training finished at step %d; run folder %s", self.step, self.run_dir.resolve())
 
     def _train_one_step(self, stop: StopRequest, window: ThroughputWindow) -> str | None:
@@ -517,6 +524,26 @@ class Trainer:
         self.checkpointer.close()
         self.metrics.close()
         destroy_distributed()
+
+
+def active_features(cfg, world_size: int) -> list[str]:
+    """The switched-on options that change how a step runs, as the run's log lists them: a user
+    reading train.log sees which of them this run had without reading the resolved config."""
+    p, plan = cfg.parallelism, PipelinePlan.from_config(cfg.parallelism)
+    features = [
+        (p.moe_overlap, "moe_overlap (the MoE all-to-alls run under another micro-batch's compute)"),
+        (p.ep_as_cp, "ep_as_cp (the sequence sharded over the expert ranks outside the MoE exchange)"),
+        (plan.enabled and plan.zero_bubble,
+         f"zero-bubble schedule {plan.pp_schedule} (each backward split into input and weight passes)"),
+        (cfg.activation_checkpoint.mode != "none", f"activation checkpointing {cfg.activation_checkpoint.mode}"),
+        (cfg.training.compile, "torch.compile"),
+        (cfg.optimizer.name == "muon" and world_size > 1, "Muon owners (each matrix orthogonalised by one rank)"),
+        (cfg.optimizer.name == "muon" and world_size == 1, "Muon"),
+        (cfg.optimizer.qk_clip, "QK-clip"),
+        (cfg.quantize.float8, "float8 matmuls" + (" (emulated)" if cfg.quantize.emulate else "")),
+        (cfg.engram.enable, "Engram" + (" (optimizer state in CPU memory)" if cfg.engram.offload_optimizer_state else "")),
+    ]
+    return [name for on, name in features if on]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,8 @@ def test_debug_model_learns_the_bundled_corpus(tmp_path):
         assert key in train_steps[-1], key
     run_dir = latest_run_folder(tmp_path / "run")
     log = (run_dir / "train.log").read_text()
-    for needle in ("resolved config", "git revision", "torch", "device cpu", "params total", "FLOPs/token"):
+    for needle in ("resolved config", "git revision", "torch", "device cpu", "params total", "FLOPs/token",
+                   "optional features: none"):
         assert needle in log, needle
     assert (run_dir / "config.toml").exists()
 
@@ -78,3 +79,16 @@ def test_help_lists_options(capsys):
     assert stop.value.code == 0
     out = capsys.readouterr().out
     assert "--training.compile" in out and "--model.flavor" in out
+
+
+def test_a_stop_without_checkpoints_says_the_rerun_starts_over(tmp_path):
+    """A stop (here the time limit) of a run that saves nothing must not advise a resume (issue 44):
+    the same command would train from step 0 again. The header lists the switched-on features."""
+    assert main(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
+                 str(tmp_path / "run"), "--training.steps", "5", "--training.time_limit_minutes", "1e-6",
+                 "--validation.enable=false", "--activation_checkpoint.mode", "full"]) == 0
+    log = (latest_run_folder(tmp_path / "run") / "train.log").read_text()
+    assert "stopped at step 0 (time limit" in log, log[-2000:]
+    assert "nothing was saved and the same command starts again from step 0" in log
+    assert "resume with the same command" not in log
+    assert "optional features: activation checkpointing full" in log
