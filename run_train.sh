@@ -73,6 +73,9 @@ for rank in "${log_ranks[@]}"; do
 done
 
 export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+# A process that dies of a fatal signal (SIGSEGV, ...) prints its Python stack (the workers of a
+# multi-process launch write theirs to the launch folder instead: trainer/launch_files.py).
+export PYTHONFAULTHANDLER=1
 # Offline by default: a debug run must not block on a login prompt.
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
@@ -193,6 +196,27 @@ done
 wait "$filter_pid"
 set -e
 
+# A worker that died of a signal (torchrun's root cause: a negative exit code) is named in one line,
+# with its Python stack where faulthandler wrote one (rank<R>.fault: torchrun shows LOG_RANK's stderr
+# only), instead of torchrun's traceback and what the surviving ranks' collectives then said.
+died=""
+if (( status != 0 )) && [[ "$stop_signal" != ABORT ]]; then
+  died=$(awk '/Root Cause/ {root = 1} root && $1 == "rank" {rank = $3}
+              root && $1 == "exitcode" && $3 ~ /^-/ {print rank, substr($3, 2), $NF; exit}' "$LAUNCHER_LOG" 2>/dev/null || true)
+fi
+if [[ -n "$died" ]]; then
+  read -r rank signum signame <<<"$died"
+  signame="${signame//[()]/}"
+  if [[ -s "$TRAINER_LAUNCH_DIR/rank$rank.fault" ]]; then
+    printf 'error: rank %s died of %s (signal %s); its Python stack:\n' "$rank" "$signame" "$signum" >&2
+    cat "$TRAINER_LAUNCH_DIR/rank$rank.fault" >&2
+  else
+    advice=""
+    [[ "$signame" == SIGKILL ]] && advice=": the kernel's out-of-memory killer sends it (dmesg says), or another process did"
+    printf 'error: rank %s was killed by %s (signal %s)%s\n' "$rank" "$signame" "$signum" "$advice" >&2
+  fi
+  exit "$status"
+fi
 errors=("$TRAINER_LAUNCH_DIR"/rank*.err)
 if (( ${#errors[@]} )); then
   for file in $(printf '%s\n' "${errors[@]}" | sort -V); do

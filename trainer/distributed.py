@@ -82,6 +82,17 @@ def is_collective_timeout(error: BaseException) -> bool:
     )
 
 
+# What a collective raises when a peer's process is gone: gloo's socket errors, NCCL's abort.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote process exited")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that lost its connection to a rank that died: the
+    launcher names that rank and its signal, so this rank's traceback would only bury that."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(words in text for words in _PEER_LOST)
+
+
 def collective_timeout_message(error: BaseException, key: str, seconds: float, when: str) -> str:
     """The one line of a collective that timed out (`is_collective_timeout`), naming the
     timeout in force, ``comm.<key>`` (the trainer's ``[comm]`` section), and torch's own words

@@ -9,6 +9,9 @@ script, for its multi-process launches): per global rank R,
     rank<R>.exit   the worker's exit code: when every worker of the node wrote 0, the run finished
                    or stopped on request, whatever torchrun's own exit code (1 after it was sent
                    the stop signal itself)
+    rank<R>.fault  Python's stack of every thread if the worker dies of a fatal signal (SIGSEGV,
+                   SIGFPE, SIGABRT, SIGBUS, SIGILL; `faulthandler`), which the script prints with
+                   the rank and the signal: torchrun shows only LOG_RANK's stderr
 
 Without the variable (one process, tests, a plain torchrun) nothing is written, and a user
 mistake is printed to stderr.
@@ -16,6 +19,7 @@ mistake is printed to stderr.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -36,3 +40,15 @@ def report_user_error(message: str) -> int:
     if not write_launch_file("err", message):
         print(message, file=sys.stderr)
     return 2
+
+
+def record_fault_stacks() -> bool:
+    """Under run_train.sh's multi-process launches, send `faulthandler`'s stacks to this rank's
+    `rank<R>.fault` (an fd, which faulthandler keeps: no file object to hold on to); False
+    elsewhere (one process: run_train.sh sets PYTHONFAULTHANDLER, so they go to stderr)."""
+    folder, rank = os.environ.get("TRAINER_LAUNCH_DIR"), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    fd = os.open(Path(folder, f"rank{rank}.fault"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    faulthandler.enable(file=fd, all_threads=True)
+    return True

@@ -39,12 +39,13 @@ from trainer.distributed import (
     from_rank0,
     init_distributed,
     is_collective_timeout,
+    is_peer_lost,
     is_rank0,
     local_rank_from_env,
     set_collective_timeout,
 )
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
-from trainer.launch_files import report_user_error, write_launch_file
+from trainer.launch_files import record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import check_fits
 from trainer.metrics import (
@@ -548,6 +549,7 @@ def active_features(cfg, world_size: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
+    record_fault_stacks()
     try:
         cfg = load_config(argv)
     except ConfigError as e:
@@ -604,6 +606,10 @@ def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
                      e, trainer.checkpointer.newest_good())
         return 3
     except RuntimeError as e:
+        if is_peer_lost(e):
+            logger.error("error: at step %d a collective lost its connection to another rank, which died or was "
+                         "killed (the launcher names it); torch: %s", trainer.step, " ".join(str(e).split())[:200])
+            return 1
         if not is_collective_timeout(e):
             raise
         key = trainer.collective_timeout_key

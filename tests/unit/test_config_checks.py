@@ -106,6 +106,8 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "3"], ["parallelism.ep = 3 must divide"]),
         (2, ["--training.global_batch_size", "24"], ["global_batch_size = 24", "8 x 2", "multiple of 16"]),
         (2, ["--training.stpes", "3"], ["did you mean --training.steps"]),
+        # Measured to fail only after minutes of compiling (issue 44).
+        (2, ["--parallelism.tp", "2", "--training.compile"], ["parallelism.tp = 2 with training.compile", "drop --training.compile"]),
         # Advice the same check accepts (issue 44): no dp_shard that ep cannot divide, no
         # micro-batch count the schedule refuses.
         (

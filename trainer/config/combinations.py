@@ -63,6 +63,14 @@ def combination_problems(cfg: Any) -> list[str]:
             "refuses it); use --parallelism.pp_schedule Interleaved1F1B (or 1F1B) with --training.compile, or "
             "drop --training.compile."
         )
+    if cfg.parallelism.tp > 1 and t.compile:
+        # Measured (docs/compile.md): after minutes of compiling, the first backward fails inside DTensor's
+        # redistribute (a plain tensor where it expects a DTensor's gradient), torch 2.13, CPU.
+        problems.append(
+            f"parallelism.tp = {cfg.parallelism.tp} with training.compile: the compiled blocks' backward fails inside "
+            "DTensor's redistribute ('Tensor' object has no attribute '_local_tensor') after minutes of compiling; "
+            "drop --training.compile, or shard over FSDP / EP instead of TP (parallelism.tp 1)."
+        )
     if cfg.job.dry_run and cfg.optimizer.name == "muon" and cfg.dry_run.world_size > 1:
         # trainer/muon_owners.py: OwnedExchange's plan gathers the other ranks' shard layouts.
         problems.append(
