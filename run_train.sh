@@ -128,15 +128,23 @@ if (( RESTARTS > 0 )); then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
 
-# The launcher and its workers share TRAINER_LAUNCH_DIR: a worker writes rank<R>.pid once its stop
-# handlers are installed, rank<R>.err with its one-line message when it meets a user mistake (exit
-# 2), and rank<R>.exit with its exit code. The launcher's own messages (and its traceback when a
-# worker fails) are held back in launcher.log: shown only when no worker explained its failure.
+# The launcher and its workers share TRAINER_LAUNCH_DIR: a worker of torchrun's attempt K (0, then
+# one more per restart) writes into attempt<K>/ rank<R>.pid once its stop handlers are installed,
+# rank<R>.err with its one-line message when it meets a user mistake (exit 2), rank<R>.exit with its
+# exit code and rank<R>.fault with its stack if a fatal signal kills it (trainer/launch_files.py):
+# only the last attempt's files describe how the run ended. The launcher's own messages (and its
+# traceback when a worker fails) are held back in launcher.log: shown only when no worker explained
+# its failure; a restarted worker reads there why the attempt before it failed.
 TRAINER_LAUNCH_DIR="$(mktemp -d)"
 LAUNCHER_LOG="$TRAINER_LAUNCH_DIR/launcher.log"
 export TRAINER_LAUNCH_DIR
 trap 'rm -rf "$TRAINER_LAUNCH_DIR"' EXIT
 shopt -s nullglob
+attempt_dir() {  # the newest attempt's folder, or nothing before a worker wrote one
+  local dirs=("$TRAINER_LAUNCH_DIR"/attempt*)
+  (( ${#dirs[@]} )) && printf '%s\n' "${dirs[@]}" | sort -V | tail -n 1
+  return 0
+}
 
 # Stops. torchrun and its workers run in process groups of their own, so a stop sent to this
 # script's group (Ctrl-C, kill -TERM -PGID) reaches only this script, which forwards it once to
@@ -147,7 +155,7 @@ woke=0
 launcher_pid=""
 forward() {  # SIGNAL: to every worker that has its stop handler, else to torchrun, which passes it on
   local file sent=0
-  for file in "$TRAINER_LAUNCH_DIR"/rank*.pid; do
+  for file in "$(attempt_dir)"/rank*.pid; do
     kill -s "$1" "$(<"$file")" 2>/dev/null && sent=1
   done
   (( sent )) || kill -s "$1" "$launcher_pid" 2>/dev/null || true
@@ -199,6 +207,7 @@ set -e
 # A worker that died of a signal (torchrun's root cause: a negative exit code) is named in one line,
 # with its Python stack where faulthandler wrote one (rank<R>.fault: torchrun shows LOG_RANK's stderr
 # only), instead of torchrun's traceback and what the surviving ranks' collectives then said.
+attempt="$(attempt_dir)"
 died=""
 if (( status != 0 )) && [[ "$stop_signal" != ABORT ]]; then
   died=$(awk '/Root Cause/ {root = 1} root && $1 == "rank" {rank = $3}
@@ -207,9 +216,9 @@ fi
 if [[ -n "$died" ]]; then
   read -r rank signum signame <<<"$died"
   signame="${signame//[()]/}"
-  if [[ -s "$TRAINER_LAUNCH_DIR/rank$rank.fault" ]]; then
+  if [[ -n "$attempt" && -s "$attempt/rank$rank.fault" ]]; then
     printf 'error: rank %s died of %s (signal %s); its Python stack:\n' "$rank" "$signame" "$signum" >&2
-    cat "$TRAINER_LAUNCH_DIR/rank$rank.fault" >&2
+    cat "$attempt/rank$rank.fault" >&2
   else
     advice=""
     [[ "$signame" == SIGKILL ]] && advice=": the kernel's out-of-memory killer sends it (dmesg says), or another process did"
@@ -217,7 +226,14 @@ if [[ -n "$died" ]]; then
   fi
   exit "$status"
 fi
-errors=("$TRAINER_LAUNCH_DIR"/rank*.err)
+errors=()
+exits=()
+started=()
+if [[ -n "$attempt" ]]; then
+  errors=("$attempt"/rank*.err)
+  exits=("$attempt"/rank*.exit)
+  started=("$attempt"/rank*.pid)
+fi
 if (( ${#errors[@]} )); then
   for file in $(printf '%s\n' "${errors[@]}" | sort -V); do
     rank="$(basename "$file" .err)"
@@ -225,14 +241,12 @@ if (( ${#errors[@]} )); then
   done
   exit 2
 fi
-exits=("$TRAINER_LAUNCH_DIR"/rank*.exit)
 if [[ "$stop_signal" != ABORT ]] && (( ${#exits[@]} == NGPU )) && ! grep -qvx 0 "${exits[@]}"; then
   # Every worker of this node finished or stopped on request and saved: torchrun's own exit code
   # (1 after it got the stop signal itself) says nothing more.
   exit 0
 fi
 [[ "$stop_signal" == ABORT ]] && exit 130
-started=("$TRAINER_LAUNCH_DIR"/rank*.pid)
 if [[ -n "$stop_signal" ]] && (( ${#started[@]} == 0 )); then
   printf 'run_train.sh: stopped by SIG%s while the workers were starting: nothing was trained, nothing to save\n' "$stop_signal" >&2
   exit 0

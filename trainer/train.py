@@ -45,7 +45,7 @@ from trainer.distributed import (
     set_collective_timeout,
 )
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
-from trainer.launch_files import record_fault_stacks, report_user_error, write_launch_file
+from trainer.launch_files import previous_attempt_failure, record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import check_fits
 from trainer.metrics import (
@@ -283,8 +283,8 @@ class Trainer:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restart:
             logger.info(
-                "restart %d of at most %s (torchrun --max-restarts) after a worker failed: %s", restart,
-                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                "restart %d of at most %s (torchrun --max-restarts) after %s: %s", restart,
+                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), previous_attempt_failure() or "a worker failed",
                 "resuming from the newest complete checkpoint" if self.cfg.checkpoint.enable
                 else "checkpoint.enable is off, so it trains again from step 0, in a new run folder",
             )
