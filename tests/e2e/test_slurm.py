@@ -174,6 +174,13 @@ def test_bad_submissions_fail_with_one_line(slurm, tmp_path):
         "train.sbatch: 4 tasks on 2 nodes: run one task per node (--ntasks-per-node=1); NGPU sets the workers per node\n"
     )
 
+    # A time limit the stop signal's lead swallows (issue 44): refused, not COMPLETED with nothing trained.
+    short = submit(slurm, tmp_path, tmp_path / "run", options=("--time=2",))
+    assert wait_for_end(slurm, tmp_path, short) == ("FAILED", "2:0"), logs(tmp_path, short)
+    assert (tmp_path / f"slurm-{short}.out").read_text().startswith(
+        "train.sbatch: the time limit 00:02:00 is not longer than the 300 s before it at which the stop signal comes"
+    ), logs(tmp_path, short)
+
     # Both nodes' run_train.sh refuse it before starting anything, and the job's log repeats their line.
     typo = submit(slurm, tmp_path, tmp_path / "run", args=["--training.stepz", "3"])
     assert wait_for_end(slurm, tmp_path, typo) == ("FAILED", "2:0"), logs(tmp_path, typo)
