@@ -251,7 +251,10 @@ if [[ -n "$stop_signal" ]] && (( ${#started[@]} == 0 )); then
   printf 'run_train.sh: stopped by SIG%s while the workers were starting: nothing was trained, nothing to save\n' "$stop_signal" >&2
   exit 0
 fi
-if (( status != 0 && ${#started[@]} == 0 )) && [[ "${rendezvous[0]}" != --standalone ]]; then
+# No worker got ready and torchrun reported none failed: they were never started, so the rendezvous
+# failed (a worker that started and then failed has torchrun's "failed (exitcode" line).
+if (( status != 0 && ${#started[@]} == 0 )) && [[ "${rendezvous[0]}" != --standalone ]] \
+    && ! grep -q 'failed (exitcode' "$LAUNCHER_LOG" 2>/dev/null; then
   reason="$(grep -E 'Error|error' "$LAUNCHER_LOG" 2>/dev/null | tail -n 1 || true)"
   printf 'error: the workers never started: the rendezvous at MASTER_ADDR:MASTER_PORT = %s:%s failed (%s; RDZV_TIMEOUT = %s s). Check that all NNODES = %s nodes are started with the same MASTER_ADDR and MASTER_PORT, that the node with that address can listen on the port (no other job holds it) and the others reach it.\n' \
     "$MASTER_ADDR" "$MASTER_PORT" "${reason:-no message}" "$RDZV_TIMEOUT" "$NNODES" >&2
