@@ -25,8 +25,9 @@ call, so it holds for a compiled block too (its graph adds, eagerly restored aft
 A block is recomputed as often as its backward is split: ``op`` replays the saved outputs of its
 per-op policy on every recomputation (torch's selective checkpoint hands each one out once and
 refuses a second backward), so the zero-bubble schedules' weight passes see the same values as
-their input pass. The replayed outputs stay referenced until the block's autograd graph is freed,
-which the saved activations of ``none`` would be anyway.
+their input pass. The saved outputs then live until the block's autograd graph is freed (after
+the weight pass) rather than until the first recomputation takes them: never longer than a run
+without checkpointing keeps the same tensors.
 """
 
 from __future__ import annotations
