@@ -6,11 +6,13 @@ import logging
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.engram import engram_table_params
-from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, moe_modules, reset_expert_counts
+from models.moe import MoE
+from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, reset_expert_counts
 from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
 from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
 from trainer.step_hooks import StepHook
@@ -137,12 +139,16 @@ class ExpertBiasUpdater(StepHook):
 
     ``reduce_counts`` is where a parallel run sums the counts over data and context ranks.
     The update stays on the device; the load-imbalance statistics are read back only when
-    ``metrics()`` is asked for (on logging steps).
+    ``metrics()`` is asked for (on logging steps). ``pp_mesh``: the pipeline ranks, over which the
+    layers are split (None: no PP); only the statistics cross it (each stage updates its own layers).
     """
 
-    def __init__(self, model: nn.Module, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.modules = list(moe_modules(model))
+    def __init__(self, model: nn.Module, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None, pp_mesh=None):
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+        self.modules = [m for _, m in named]
+        self.layer_keys = [_layer_key(name) for name, _ in named]
         self.reduce_counts = reduce_counts
+        self.pp_group = pp_mesh.get_group() if pp_mesh is not None else None
         self._ratios: torch.Tensor | None = None
 
     def before_optimizer(self, skip: bool) -> None:
@@ -154,7 +160,22 @@ class ExpertBiasUpdater(StepHook):
     def metrics(self) -> dict[str, float]:
         """max/mean expert load of the last update, averaged over MoE layers, and the worst
         layer's (one host read); empty before the first."""
-        stats = load_imbalance_stats(self._ratios)
+        ratios = self._ratios
+        if self.pp_group is not None:
+            # Every stage's layers, in the model's order, as one process averages them (a
+            # collective of every pipeline rank, on logging steps only).
+            mine = list(zip(self.layer_keys, ratios.tolist() if ratios is not None else []))
+            stages = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, mine, group=self.pp_group)
+            ordered = [ratio for _, ratio in sorted(pair for stage in stages for pair in stage)]
+            ratios = torch.tensor(ordered, dtype=torch.float32) if ordered else None
+        stats = load_imbalance_stats(ratios)
         if not stats:
             return {}
         return {"moe_imbalance": stats["moe/load_imbalance/mean"], "moe_imbalance_worst": stats["moe/load_imbalance/max"]}
+
+
+def _layer_key(name: str) -> tuple[bool, int]:
+    """Where an MoE (``layers.3.ffn``, ``mtp.0.block.ffn``) comes in the whole model's order."""
+    part, index = name.split(".")[:2]
+    return part == "mtp", int(index)

@@ -217,7 +217,10 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
-        self.step_hooks: list[StepHook] = [ExpertBiasUpdater(self.model, self.parallel.global_sum), *optimizer_hooks]
+        self.step_hooks: list[StepHook] = [
+            ExpertBiasUpdater(self.model, self.parallel.global_sum, self.parallel_dims.mesh_or_none("pp")),
+            *optimizer_hooks,
+        ]
         if o.qk_clip:
             self.step_hooks.append(QKClip(
                 self.model, o.qk_clip_threshold, o.qk_clip_every, self.parallel.loss_mesh,

@@ -112,6 +112,8 @@ class MLA(nn.Module):
             (`DeepSeekV3ModelArgs.softmax_scale`, see `models.common.rope`).
     """
 
+    forward_statistics = ("max_logit",)  # models/common/forward_stats.py
+
     def __init__(
         self,
         dim: int,

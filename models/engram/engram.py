@@ -34,6 +34,8 @@ class Engram(nn.Module):
     model's `EngramLookup`, so that embedding parallelism can batch the exchange of all layers).
     """
 
+    forward_statistics = ("gate_stats",)  # models/common/forward_stats.py
+
     def __init__(self, layer_id: int, dim: int, args: EngramArgs, norm_eps: float = 1e-6):
         super().__init__()
         self.layer_id = layer_id

@@ -24,8 +24,11 @@ class MoE(nn.Module):
             `load_balance_coeff` is None), updated by `balance.apply_expert_bias_update`
             (the trainer's `ExpertBiasUpdater.step`, once per optimizer step).
         tokens_per_expert [E] fp32: routed-token counts accumulated by training forwards
-            since the last bias update.
+            since the last bias update, each micro-batch's forward counted once
+            (models/common/forward_stats.py).
     """
+
+    forward_statistics = ("tokens_per_expert",)
 
     def __init__(self, dim: int, inter_dim: int, args: MoEArgs):
         super().__init__()
@@ -60,15 +63,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # [B * S, dim]
         top_scores, selected_experts, scores = self.gate(tokens, self.expert_bias)
 
-        if self.training:
-            # In place so the buffer keeps its identity (and compile sees a mutation, not a
-            # rebinding). Activation-checkpoint recomputation counts a layer twice, which
-            # scales all its counts alike and leaves sign(mean - count) unchanged.
-            with torch.no_grad():
-                self.tokens_per_expert.add_(
-                    count_tokens_per_expert(selected_experts.reshape(-1), self.num_experts)
-                )
-
+        self.count_routed(selected_experts)
         routed_x, num_tokens_per_expert, ctx = self.dispatcher.dispatch(
             tokens, selected_experts, top_scores
         )
@@ -81,6 +76,13 @@ class MoE(nn.Module):
 
         aux_loss = self._sequence_balance_loss(scores, selected_experts, bsz, seqlen)
         return out.view(bsz, seqlen, dim), aux_loss
+
+    @torch.no_grad()
+    def count_routed(self, selected_experts: torch.Tensor) -> None:
+        """Adds a training forward's routing (`selected_experts` [T, K]) to `tokens_per_expert`,
+        in place so the buffer keeps its identity (and compile sees a mutation, not a rebinding)."""
+        if self.training:
+            self.tokens_per_expert.add_(count_tokens_per_expert(selected_experts.reshape(-1), self.num_experts))
 
     def _sequence_balance_loss(
         self, scores: torch.Tensor, selected_experts: torch.Tensor, bsz: int, seqlen: int

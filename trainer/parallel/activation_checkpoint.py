@@ -12,11 +12,26 @@ Modes:
 
 ``checkpoint_wrapper`` keeps state-dict names unchanged (it strips its own prefix), so
 checkpoints are interchangeable across modes.
+
+A recomputation records nothing: the statistics a block's forward adds into (the MoE's routed-token
+counts behind the bias update and ``moe_imbalance``, Engram's gate sums, QK-clip's max logits:
+``models.common.forward_stats``) are put back as they were when it ends, so every micro-batch
+counts once whatever the schedule recomputes. Counting on would not: a zero-bubble schedule's
+weight pass recomputes a block once per parameter group (one ``autograd.grad`` each), DualPipeV
+gives some micro-batches a split backward and others a full one, and the bias update then moves
+the wrong experts. The put-back runs in the checkpoint's recompute context, around the block's
+call, so it holds for a compiled block too (its graph adds, eagerly restored after it).
+
+A block is recomputed as often as its backward is split: ``op`` replays the saved outputs of its
+per-op policy on every recomputation (torch's selective checkpoint hands each one out once and
+refuses a second backward), so the zero-bubble schedules' weight passes see the same values as
+their input pass. The saved outputs then live until the block's autograd graph is freed (after
+the weight pass) rather than until the first recomputation takes them: never longer than a run
+without checkpointing keeps the same tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import typing
 
@@ -26,6 +41,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from models.common.forward_stats import forward_statistics
 from trainer.config.schema import ACMode
 
 AC_MODES = typing.get_args(ACMode)
@@ -77,15 +93,66 @@ class _SkipProfilerOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _with_profiler_ops_skipped(sac_mode):
-    with sac_mode, _SkipProfilerOps():
-        yield
+class _Modes:
+    """Dispatch modes entered in order and left in reverse, as often as the checkpoint asks: a
+    recompute context is entered once per backward that needs the block (module docstring), which
+    a generator's one-shot context manager cannot be."""
+
+    def __init__(self, *modes: TorchDispatchMode):
+        self.modes = modes
+
+    def __enter__(self):
+        for mode in self.modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+        return False
 
 
-def _op_context_fn():
+class _Recomputation(_Modes):
+    """The recompute context of one checkpointed call of ``block``: each recomputation leaves the
+    block's statistics as it found them and, under ``op`` (``modes``: torch's replaying mode and
+    the profiler bypass above it), replays every saved output of the forward."""
+
+    def __init__(self, block: nn.Module, *modes: TorchDispatchMode):
+        super().__init__(*modes)
+        self.block = block
+        self.saved_outputs: dict | None = None
+        self.stats: list[torch.Tensor] = []
+        self.before: list[torch.Tensor] = []
+
+    def __enter__(self):
+        self.stats = forward_statistics(self.block)
+        with torch.no_grad():
+            self.before = [t.clone() for t in self.stats]
+        if self.modes:
+            # The replaying mode marks each saved output consumed as it hands it out: give every
+            # pass the forward's entries.
+            storage = self.modes[0].storage
+            if self.saved_outputs is None:
+                self.saved_outputs = {key: dict(entries) for key, entries in storage.items()}
+            storage.update({key: dict(entries) for key, entries in self.saved_outputs.items()})
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        with torch.no_grad():
+            for stat, before in zip(self.stats, self.before):
+                stat.copy_(before)
+        self.stats, self.before = [], []
+        return False
+
+
+def _contexts(block: nn.Module, per_op: bool) -> tuple[_Modes, _Recomputation]:
+    """``context_fn`` of ``block``'s checkpoint, called at each forward: (forward context,
+    recompute context)."""
+    if not per_op:
+        return _Modes(), _Recomputation(block)
     caching, cached = create_selective_checkpoint_contexts(functools.partial(_op_policy, _save_list()))
-    return _with_profiler_ops_skipped(caching), _with_profiler_ops_skipped(cached)
+    return _Modes(caching, _SkipProfilerOps()), _Recomputation(block, cached, _SkipProfilerOps())
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_every: int = 1) -> int:
@@ -96,18 +163,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_every:
         return 0
     if selective_every < 1:
         raise ValueError(f"activation_checkpoint.selective_every must be >= 1, got {selective_every}")
-    kwargs = {"preserve_rng_state": False}
-    if mode == "op":
-        kwargs["context_fn"] = _op_context_fn
+
+    def wrap(block: nn.Module) -> nn.Module:
+        context_fn = functools.partial(_contexts, block, mode == "op")
+        return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+
     wrapped = 0
     for index, (name, block) in enumerate(list(model.layers.items())):
         if mode == "selective" and index % selective_every:
             continue
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+        model.layers[name] = wrap(block)
         wrapped += 1
     mtp = getattr(model, "mtp", None)
     if mtp is not None and mode != "selective":
-        for i, module in enumerate(mtp):
-            module.block = checkpoint_wrapper(module.block, **kwargs)
+        for module in mtp:
+            module.block = wrap(module.block)
             wrapped += 1
     return wrapped

@@ -57,7 +57,6 @@ from torch.autograd.profiler import record_function
 from models.deepseek_v3 import ModelOutput
 from models.moe import MoE
 from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
-from models.moe.router import count_tokens_per_expert
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
 from trainer.parallel.fsdp import ManualReduction, cast_forward_inputs, gathered_through_step
 from trainer.parallel.step import MicroBatch, ParallelStep
@@ -142,9 +141,7 @@ class MoELayerNodes:
             self.shape = ffn_in.shape
             tokens = ffn_in.reshape(-1, self.shape[-1])
             top_scores, selected, scores = moe.gate(tokens, moe.expert_bias)
-            if moe.training:
-                with torch.no_grad():
-                    moe.tokens_per_expert.add_(count_tokens_per_expert(selected.reshape(-1), moe.num_experts))
+            moe.count_routed(selected)
             # The shared experts stay after the permutation, where MoE.forward has them: run
             # before it (beside the exchange in flight) they change the order in which autograd
             # sums the tokens' gradients, and the result's last bits.
