@@ -46,7 +46,7 @@ def _one_rank_stops(rank: int, world: int, port: int, launch_dir: str, dump: str
     from trainer.config import load_config
     from trainer.train import Trainer, run
 
-    report = Path(launch_dir, "rank0.err")
+    report = Path(launch_dir, "attempt0", "rank0.err")  # torchrun's first attempt (trainer/launch_files.py)
 
     class OneRankStops(Trainer):
         def next_microbatches(self):
@@ -96,4 +96,4 @@ def test_a_rank_that_stops_calling_collectives_ends_the_others_with_one_line(tmp
     assert "Traceback" not in line
     assert rank0["seconds"] < REPORT_BOUND, rank0
     # Only the failing rank reports; the stopped one never reached a collective to fail in.
-    assert sorted(p.name for p in launch_dir.glob("*.err")) == ["rank0.err"]
+    assert sorted(p.name for p in launch_dir.glob("attempt0/*.err")) == ["rank0.err"]
