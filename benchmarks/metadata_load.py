@@ -14,6 +14,12 @@ Python's garbage collector would take seconds of its own, landing on whichever r
 Median of `--repeats` reads of each, alternating, with the file in the page cache; wall-clock
 and CPU seconds of the read alone (not the child's start-up).
 
+Then the other half of a safe load: the CPU time per non-tensor entry of `torch.load` with
+`weights_only=True` and `ENTRY_GLOBALS` (`WeightsOnlyLoadPlanner`) next to `weights_only=False`
+(DCP's default planner), for the values a checkpoint holds: an AdamW param group's 12 values, a
+data-loader position, and the python and numpy RNG states; and how many such entries one rank of
+the layout loads (its pipeline stage's param-group values and its own rank state).
+
     python benchmarks/metadata_load.py                           # the 671B layout
     python benchmarks/metadata_load.py --flavor debugmodel --chunks 2 --ranks 2
 """
@@ -21,9 +27,11 @@ and CPU seconds of the read alone (not the child's start-up).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
+import random
 import statistics
 import subprocess
 import sys
@@ -31,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -44,7 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
-from trainer.checkpoint.safe_load import read_metadata
+from trainer.checkpoint.safe_load import ENTRY_GLOBALS, read_metadata
 
 # What this trainer's AdamW checkpoint holds per parameter besides the weight (a debug-model checkpoint's keys).
 OPTIMIZER_TENSORS = ("step", "exp_avg", "exp_avg_sq")
@@ -135,6 +144,34 @@ def plain_load(file: Path):
 READERS = {"pickle_load": plain_load, "allow_list": read_metadata}
 
 
+def entry_values() -> dict[str, list]:
+    """The non-tensor values of a checkpoint, by kind (as `torch.save` archives when loaded)."""
+    group = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3).param_groups[0]
+    group["initial_lr"] = 1e-3
+    position = {"version": 2, "epoch": 0, "doc_pos": 123456, "buffer": list(range(40)), "stream_state": None,
+                "rows_served": 0}
+    return {"param_group": [v for k, v in group.items() if k != "params"],
+            "rank_state": [*position.values(), random.getstate(), np.random.get_state()]}
+
+
+def entry_cpu_us(values: list, weights_only: bool, rounds: int = 100) -> float:
+    """CPU microseconds per `torch.load` of one of `values`, saved as DCP saves a non-tensor entry."""
+    archives = []
+    for value in values:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        archives.append(buffer.getvalue())
+    start = time.process_time()
+    for _ in range(rounds):
+        for archive in archives:
+            if weights_only:
+                with torch.serialization.safe_globals(ENTRY_GLOBALS):
+                    torch.load(io.BytesIO(archive), weights_only=True)
+            else:
+                torch.load(io.BytesIO(archive), weights_only=False)
+    return (time.process_time() - start) / (rounds * len(archives)) * 1e6
+
+
 def read_in_child(reader: str, file: Path) -> tuple[float, float]:
     """(wall, CPU) seconds of one `READERS[reader]` read of `file` in a fresh process."""
     out = subprocess.run([sys.executable, __file__, "--child", reader, str(file)], check=True,
@@ -147,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flavor", default="671B")
     p.add_argument("--chunks", type=int, default=128, help="chunks per tensor (the ranks of a pipeline stage)")
     p.add_argument("--ranks", type=int, default=2048, help="ranks that wrote it (one rank_state_R each)")
+    p.add_argument("--pp", type=int, default=16, help="pipeline stages (a rank loads its stage's param groups)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--child", nargs=2, metavar=("READER", "FILE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -162,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             pickle.dump(metadata, f)  # as DCP's FileSystemWriter writes it
         assert read_metadata(file) == plain_load(file) == metadata
         entries, chunks = len(metadata.state_dict_metadata), len(metadata.storage_data)
+        group_entries = sum(k.startswith("optimizer.param_groups.") for k in metadata.state_dict_metadata)
         del metadata
         times = {name: [] for name in READERS}
         for i in range(a.repeats):
@@ -176,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         **{f"{name}_cpu_s": round(statistics.median(t[1] for t in ts), 3) for name, ts in times.items()},
     }
     result["allow_list_over_pickle_cpu"] = round(result["allow_list_cpu_s"] / result["pickle_load_cpu_s"], 3)
+    result["entries_per_rank"] = round(group_entries / a.pp) + len(RANK_BYTES)
+    for kind, values in entry_values().items():
+        for weights_only in (False, True):
+            us = statistics.median(entry_cpu_us(values, weights_only) for _ in range(a.repeats))
+            result[f"{kind}_entry_{'weights_only' if weights_only else 'full'}_cpu_us"] = round(us, 1)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -29,6 +29,7 @@ from trainer.checkpoint import (
     read_model_state_dict,
 )
 from trainer.checkpoint.folder import checkpoint_shapes
+from trainer.checkpoint.safe_load import SafeFileSystemReader
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 
 
@@ -344,6 +345,9 @@ def test_tampered_entry_is_refused_and_runs_nothing(tmp_path, as_torch_save):
     holds = r"the global tests\.helpers\.touch_then" if as_torch_save else "a pickle that torch.load"
     _refused(tmp_path, folder, rf"^{shard} holds in its entry train_state\.step {holds}", model_only=False)
     read_model_state_dict(folder)  # reads the weights only: the entry is not even read
+    # The reader takes no planner that would unpickle the entries in full (DCP's default).
+    with pytest.raises(CheckpointException, match="SafeFileSystemReader reads through a WeightsOnlyLoadPlanner"):
+        dcp.load({"train_state": {"step": 0}}, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
     assert not sentinel.exists()
     # DCP's own planner runs the payload (a bare pickle then fails torch.load's check of its format).
     with contextlib.suppress(CheckpointException):

@@ -18,10 +18,11 @@ can rewrite them. So every load here goes through
 
 Everything this trainer saves reads through both, so a checkpoint it wrote, before this module
 existed or since, loads as it did. A pickle that names anything else raises `RefusedCheckpoint`
-naming the file and the global, before the global is even imported.
-
-Nothing else is refused: a file that is merely damaged (cut off, bytes changed) fails as before,
-as `UnreadableCheckpoint` at the caller, and a resume falls back past it.
+naming the file and the global, before the global is even imported; so does a non-tensor entry
+that the weights-only unpickler refuses for another reason (an opcode it does not run, bytes it
+cannot parse). A file that fails otherwise (a cut-off pickle or archive) is damaged, as before:
+the caller's `UnreadableCheckpoint`, which a resume falls back past. The checksums, checked before
+every load, already tell a disk fault from a file rewritten along with its record.
 """
 
 from __future__ import annotations
