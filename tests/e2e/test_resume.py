@@ -17,7 +17,8 @@
 - tampered checkpoint: the newest checkpoint's `.metadata`, and a non-tensor entry of the one
   before, replaced by pickles that create a file when unpickled, the markers' checksums updated to
   match: each rerun (the default resume, then `load_step` of the older one) exits 2 with one line
-  naming the file, without falling back to another checkpoint, and the file is never created.
+  naming the file, without falling back to another checkpoint, and the file is never created;
+  so does a 2-process run_train.sh (an FSDP resume), with one line per rank.
 """
 
 import json
@@ -235,3 +236,23 @@ def test_tampered_checkpoint_stops_the_run_with_exit_2(tmp_path, reference, caps
         assert "remove the checkpoint" in lines[0]
     assert not sentinel.exists()
     assert "resumed from" not in (run_dir / "train.log").read_text()[log_before:]
+
+
+def test_tampered_checkpoint_stops_every_rank(tmp_path, reference):
+    """The refusal of an entry inside DCP's collective read reaches every rank of an FSDP resume:
+    run_train.sh exits 2 with one line per rank naming the file, no hang, no traceback."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference.run_dir, run_dir)
+    sentinel = tmp_path / "ran"
+    shard = tamper_entry(run_dir / "checkpoint" / f"step-{STEPS}", "train_state.step", sentinel)
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "MASTER_PORT": "", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), *COMMON, "--training.local_batch_size", "1", "--job.dump_folder",
+         str(run_dir), "--checkpoint.enable"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert len(lines) == 2 and all(f"{shard} holds in its entry train_state.step the global" in line for line in lines)
+    assert not sentinel.exists()
