@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,10 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            with torch.serialization.safe_globals(ENTRY_GLOBALS):
+            with torch.serialization.safe_globals(ENTRY_GLOBALS), warnings.catch_warnings():
+                # A bare pickle (DCP writes torch.save archives) gets torch's advice on pickle
+                # protocols before the refusal below: noise next to its one line.
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
                 loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             name = _REFUSED_GLOBAL.search(str(e))
