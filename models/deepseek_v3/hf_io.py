@@ -29,6 +29,7 @@ from models.moe import MoEArgs
 FP8_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` is the block scale of `X.weight`
 INDEX_FILE = "model.safetensors.index.json"
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")  # `pytorch_model*.bin` and other torch.save files: refused
 CONFIG_FILE = "config.json"
 # Tensors that stay fp32 whatever dtype the weights are cast to: the router's bias is added to
 # sigmoid scores to pick the top-k experts, and bf16 would round it (DeepSeek's checkpoints and
@@ -73,6 +74,14 @@ def list_safetensors_files(folder: str | Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern))
+        if pickled:
+            # torch.load of these unpickles whatever they hold, and may run code from them.
+            raise FileNotFoundError(
+                f"{folder} holds pickled PyTorch weights ({', '.join(pickled[:3])}), which are not read: loading "
+                "them could run code from the files; convert them to safetensors where you trust them "
+                "(transformers: save_pretrained(..., safe_serialization=True))"
+            )
         raise FileNotFoundError(f"no *.safetensors files (and no {INDEX_FILE}) in {folder}")
     return files
 

@@ -14,6 +14,11 @@
   the uninterrupted run's losses bit for bit. Then a weight turned inf after an optimizer step:
   the next save is refused, exit code 3, the message names the checkpoint the run verified, and
   that checkpoint stays (keep_latest_k = 1 would have pruned it).
+- tampered checkpoint: the newest checkpoint's `.metadata`, and a non-tensor entry of the one
+  before, replaced by pickles that create a file when unpickled, the markers' checksums updated to
+  match: each rerun (the default resume, then `load_step` of the older one) exits 2 with one line
+  naming the file, without falling back to another checkpoint, and the file is never created;
+  so does a 2-process run_train.sh (an FSDP resume), with one line per rank.
 """
 
 import json
@@ -30,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import flip_bytes
+from tests.helpers import flip_bytes, tamper_entry, tamper_metadata
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.train import Trainer, main, run
@@ -214,3 +219,42 @@ def test_damaged_checkpoint_is_skipped_and_nonfinite_state_never_saved(tmp_path,
     assert [c.step for c in list_checkpoints(folder)] == [STEPS, STEPS // 2]
     assert (newest / COMPLETE).read_text() == marker
     assert not list(folder.glob(f"step-{STEPS + 1}*"))
+
+
+def test_tampered_checkpoint_stops_the_run_with_exit_2(tmp_path, reference, capsys):
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoint"
+    shutil.copytree(reference.run_dir, run_dir)
+    sentinel = tmp_path / "ran"
+    tamper_metadata(folder / f"step-{STEPS}", sentinel)
+    shard = tamper_entry(folder / f"step-{STEPS // 2}", "train_state.step", sentinel)
+    ckpt = ["--job.dump_folder", str(run_dir), "--checkpoint.enable"]
+    log_before = len((run_dir / "train.log").read_text())
+    capsys.readouterr()
+    for extra, file in (([], folder / f"step-{STEPS}" / ".metadata"), (["--checkpoint.load_step", str(STEPS // 2)], shard)):
+        assert main([*COMMON, *ckpt, *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {file} holds "), lines
+        assert "remove the checkpoint" in lines[0]
+    assert not sentinel.exists()
+    assert "resumed from" not in (run_dir / "train.log").read_text()[log_before:]
+
+
+def test_tampered_checkpoint_stops_every_rank(tmp_path, reference):
+    """The refusal of an entry inside DCP's collective read reaches every rank of an FSDP resume:
+    run_train.sh exits 2 with one line per rank naming the file, no hang, no traceback."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference.run_dir, run_dir)
+    sentinel = tmp_path / "ran"
+    shard = tamper_entry(run_dir / "checkpoint" / f"step-{STEPS}", "train_state.step", sentinel)
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "MASTER_PORT": "", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), *COMMON, "--training.local_batch_size", "1", "--job.dump_folder",
+         str(run_dir), "--checkpoint.enable"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert len(lines) == 2 and all(f"{shard} holds in its entry train_state.step the global" in line for line in lines)
+    assert not sentinel.exists()

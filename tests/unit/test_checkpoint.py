@@ -1,7 +1,8 @@
 """CheckpointManager on a tiny model: atomic layout, pruning, async save, corrupt-checkpoint
-fallback, checksums, clear errors for a missing or mismatching checkpoint, no save of a non-finite
-state; the stop request; the NaN guard."""
+fallback, checksums, refusal of a checkpoint whose pickles would run code, clear errors for a
+missing or mismatching checkpoint, no save of a non-finite state; the stop request; the NaN guard."""
 
+import contextlib
 import json
 import logging
 import math
@@ -11,20 +12,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs
-from tests.helpers import flip_bytes
+from tests.helpers import flip_bytes, tamper_entry, tamper_metadata
 from trainer.checkpoint import (
     COMPLETE,
     CheckpointError,
     CheckpointManager,
+    RefusedCheckpoint,
     list_checkpoints,
     read_model_args,
     read_model_state_dict,
 )
 from trainer.checkpoint.folder import checkpoint_shapes
+from trainer.checkpoint.safe_load import SafeFileSystemReader
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -292,6 +297,64 @@ def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkey
     for load in (build(tmp_path, load_step=9).mgr.load, lambda: read_model_state_dict(folder / "step-9")):
         with pytest.raises(CheckpointError, match=rf"^{marker} is damaged"):
             load()
+
+
+def _refused(tmp_path, folder, match: str, model_only: bool = True) -> None:
+    """Resuming from `folder` (step-2 of `_saved_two_steps`, whose step-1 is intact), by default or
+    with `load_step`, and with `model_only` the model-only loads too, stop with RefusedCheckpoint,
+    one line matching `match`; the resume names the checkpoint to remove and does not fall back to
+    the intact step-1."""
+    b = build(tmp_path)
+    with pytest.raises(RefusedCheckpoint, match=match) as err:
+        b.mgr.load()
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"remove the checkpoint {folder} if you did not write it (the run does not fall back past it, or resume " \
+           "from an older one with --checkpoint.load_step 1)" in message
+    assert "neither saved one nor resumed from one" in b.mgr.newest_good()
+    loads = [build(tmp_path, load_step=2).mgr.load]
+    if model_only:
+        loads += [lambda: read_model_state_dict(folder), build(tmp_path / "other", initial_load_path=str(folder)).mgr.load]
+    for load in loads:
+        with pytest.raises(RefusedCheckpoint, match=match):
+            load()
+
+
+def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path):
+    """`.metadata` replaced by a pickle that touches a file and then returns the real metadata,
+    the marker's checksums updated to match: no load runs it, none falls back past it."""
+    _saved_two_steps(tmp_path)
+    folder = tmp_path / "checkpoint" / "step-2"
+    sentinel = tmp_path / "ran"
+    tamper_metadata(folder, sentinel)
+    _refused(
+        tmp_path, folder, rf"^{folder / '.metadata'} holds a pickle naming the global tests\.helpers\.touch_then, "
+        "which no checkpoint of this trainer holds: loading it would run code from the file"
+    )
+    assert not sentinel.exists()
+    dcp.FileSystemReader(str(folder)).read_metadata()  # DCP's own reader runs the payload
+    assert sentinel.exists()
+
+
+@pytest.mark.parametrize("as_torch_save", [True, False], ids=["torch.save", "bare pickle"])
+def test_tampered_entry_is_refused_and_runs_nothing(tmp_path, as_torch_save):
+    """A non-tensor entry (the train state's step) replaced by a pickle that touches a file and then
+    gives the saved value, `.metadata` and the marker updated to match: a resume refuses it by name."""
+    _saved_two_steps(tmp_path)
+    folder = tmp_path / "checkpoint" / "step-2"
+    sentinel = tmp_path / "ran"
+    shard = tamper_entry(folder, "train_state.step", sentinel, as_torch_save)
+    holds = r"the global tests\.helpers\.touch_then" if as_torch_save else "a pickle that torch.load"
+    _refused(tmp_path, folder, rf"^{shard} holds in its entry train_state\.step {holds}", model_only=False)
+    read_model_state_dict(folder)  # reads the weights only: the entry is not even read
+    # The reader takes no planner that would unpickle the entries in full (DCP's default).
+    with pytest.raises(CheckpointException, match="SafeFileSystemReader reads through a WeightsOnlyLoadPlanner"):
+        dcp.load({"train_state": {"step": 0}}, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+    assert not sentinel.exists()
+    # DCP's own planner runs the payload (a bare pickle then fails torch.load's check of its format).
+    with contextlib.suppress(CheckpointException):
+        dcp.load({"train_state": {"step": 0}}, checkpoint_id=str(folder), no_dist=True)
+    assert sentinel.exists()
 
 
 def test_no_good_checkpoint_is_named_when_there_is_none(tmp_path):

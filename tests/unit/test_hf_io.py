@@ -16,6 +16,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, get_flavor  # noqa: E402
 from models.deepseek_v3.hf_io import (  # noqa: E402
+    CONFIG_FILE,
     INDEX_FILE,
     args_from_hf_config,
     dequantize_fp8_block,
@@ -25,6 +26,7 @@ from models.deepseek_v3.hf_io import (  # noqa: E402
 )
 from models.deepseek_v3.state_dict_adapter import to_hf_config  # noqa: E402
 from models.moe import MoEArgs  # noqa: E402
+from tests.helpers import Touches, tamper_metadata  # noqa: E402
 from trainer.checkpoint import load_hf_weights, read_model_state_dict, save_model_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -124,6 +126,29 @@ def test_dcp_hf_round_trip_is_identity(tmp_path):
     assert back.keys() == native.keys()
     for key, tensor in native.items():
         assert torch.equal(back[key], tensor), key
+
+
+def test_pickled_weights_are_never_loaded(tmp_path, capsys):
+    """A `pytorch_model.bin` (a pickle) is refused by name, not unpickled; `export` of a checkpoint
+    whose `.metadata` would run code stops with exit 2 and one line naming the file."""
+    args = tiny_args()
+    sentinel = tmp_path / "ran"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / CONFIG_FILE).write_text(json.dumps(to_hf_config(args)))
+    torch.save(Touches(sentinel, {}), hf / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds pickled PyTorch weights \(pytorch_model\.bin\), which are not read"):
+        load_hf_weights(hf, DeepSeekV3Model(args), args)
+    assert convert_hf.main(["import", str(hf), str(tmp_path / "dcp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pytorch_model.bin" in err and "convert them to safetensors" in err
+
+    dcp = save_model_checkpoint(DeepSeekV3Model(args).state_dict(), tmp_path / "ours", args)
+    tamper_metadata(dcp, sentinel)
+    assert convert_hf.main(["export", str(dcp), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: {dcp / '.metadata'} holds a pickle naming the global ")
+    assert not sentinel.exists() and not (tmp_path / "out").exists()
 
 
 def random_hf_model(args: DeepSeekV3ModelArgs):

@@ -1,8 +1,9 @@
-"""Checkpoints: the on-disk folder format (`folder`) and the run's save/resume manager (`manager`)."""
+"""Checkpoints: the on-disk folder format (`folder`), reading it without running code from it
+(`safe_load`), and the run's save/resume manager (`manager`)."""
 
+from trainer.checkpoint.errors import CheckpointError, RefusedCheckpoint
 from trainer.checkpoint.folder import (
     COMPLETE,
-    CheckpointError,
     CheckpointInfo,
     export_state_dict,
     list_checkpoints,
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "RefusedCheckpoint",
     "export_state_dict",
     "list_checkpoints",
     "load_hf_weights",

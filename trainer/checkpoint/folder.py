@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,7 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from models.deepseek_v3.hf_io import CONFIG_FILE, read_hf_config, read_hf_state_dict, rope_mismatches
+from trainer.checkpoint.errors import CheckpointError, RefusedCheckpoint, UnreadableCheckpoint
 from trainer.checkpoint.integrity import ChecksumWriter, checksum_problems, record_checksums
+from trainer.checkpoint.safe_load import read_metadata, safe_dcp_load
 from trainer.distributed import is_distributed
 
 logger = logging.getLogger("trainer")
@@ -55,14 +57,6 @@ _KEEP_FP32_SUFFIXES = ("expert_bias", "tokens_per_expert")
 LOAD_ERRORS = (Exception, CheckpointException)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message says which and why."""
-
-
-class UnreadableCheckpoint(Exception):
-    """A checkpoint whose files are damaged (as opposed to one that does not fit the model)."""
-
-
 @dataclasses.dataclass
 class CheckpointInfo:
     path: Path
@@ -79,9 +73,16 @@ def quiet_single_process():
 
 
 def dcp_load(state: dict[str, Any], path: Path) -> None:
-    """`dcp.load` of `state` in place from the checkpoint folder `path`, on one process or many."""
-    with quiet_single_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not is_distributed())
+    """`dcp.load` of `state` in place from the checkpoint folder `path`, on one process or many,
+    running no code from its files (`safe_load`): RefusedCheckpoint where one would, and
+    UnreadableCheckpoint for any other failure (a damaged file)."""
+    try:
+        with quiet_single_process():
+            safe_dcp_load(state, path, no_dist=not is_distributed())
+    except RefusedCheckpoint:
+        raise
+    except LOAD_ERRORS as e:
+        raise UnreadableCheckpoint(short_error(e)) from None
 
 
 def seal(tmp: Path, final: Path, model_args: DeepSeekV3ModelArgs, marker: dict) -> None:
@@ -187,19 +188,26 @@ def short_error(e: BaseException) -> str:
     """One line for the log instead of DCP's per-rank traceback dump."""
     failures = getattr(e, "failures", None)
     if failures:
-        rank, wrapped = next(iter(failures.items()))
-        inner = getattr(wrapped, "exception", wrapped)
+        rank, (inner, _) = next(iter(failures.items()))  # each rank's (exception, traceback)
         return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
-    """Every key of a DCP checkpoint with its tensor shape (None for non-tensor values)."""
+def read_dcp_metadata(path: Path) -> Metadata:
+    """The DCP metadata of the checkpoint folder `path`, read without running code from it (a
+    pickle naming anything but DCP's metadata raises RefusedCheckpoint)."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        return read_metadata(path / DCP_METADATA)
+    except RefusedCheckpoint:
+        raise
     except LOAD_ERRORS as e:  # a corrupt .metadata raises whatever unpickling raises
         raise UnreadableCheckpoint(f"cannot read {path / DCP_METADATA}: {short_error(e)}") from None
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every key of a DCP checkpoint with its tensor shape (None for non-tensor values)."""
+    metadata = read_dcp_metadata(path)
     return {
         k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
         for k, v in metadata.state_dict_metadata.items()
@@ -287,8 +295,8 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, whole: bool = T
     state = {"model": model_sd}
     try:
         dcp_load(state, path)
-    except LOAD_ERRORS as e:
-        raise CheckpointError(f"cannot read the model weights of {path}: {short_error(e)}") from None
+    except UnreadableCheckpoint as e:
+        raise CheckpointError(f"cannot read the model weights of {path}: {e}") from None
     set_model_state_dict(model, state["model"])
     return path
 
@@ -328,7 +336,10 @@ def read_model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     without building a model (for conversion)."""
     path = resolve_checkpoint_path(path)
     verify_or_refuse(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        metadata = read_dcp_metadata(path).state_dict_metadata
+    except UnreadableCheckpoint as e:
+        raise CheckpointError(str(e)) from None
     model = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in metadata.items()
@@ -339,6 +350,6 @@ def read_model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     state = {"model": model}
     try:
         dcp_load(state, path)
-    except LOAD_ERRORS as e:
-        raise CheckpointError(f"cannot read the model weights of {path}: {short_error(e)}") from None
+    except UnreadableCheckpoint as e:
+        raise CheckpointError(f"cannot read the model weights of {path}: {e}") from None
     return state["model"]

@@ -57,15 +57,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs
+from trainer.checkpoint.errors import CheckpointError, RefusedCheckpoint, UnreadableCheckpoint
 from trainer.checkpoint.folder import (
     COMPLETE,
     DCP_METADATA,
-    LOAD_ERRORS,
     RANK_STATE,
     TMP_SUFFIX,
-    CheckpointError,
     CheckpointInfo,
-    UnreadableCheckpoint,
     check_model_fits,
     checkpoint_shapes,
     dcp_load,
@@ -78,7 +76,6 @@ from trainer.checkpoint.folder import (
     quiet_single_process,
     read_marker,
     seal,
-    short_error,
     verify_checkpoint,
 )
 from trainer.checkpoint.integrity import ChecksumWriter
@@ -358,6 +355,8 @@ class CheckpointManager:
                 return self._load_full(CheckpointInfo(path, cfg.load_step, read_marker(path).get("model_only", False)))
             except UnreadableCheckpoint as e:
                 raise CheckpointError(str(e)) from None
+            except RefusedCheckpoint as e:
+                raise RefusedCheckpoint(f"{e}; remove the checkpoint {path} if you did not write it") from None
         if self.rank == 0:
             for path in incomplete_checkpoints(self.folder):
                 logger.warning(
@@ -373,15 +372,23 @@ class CheckpointManager:
             if info.model_only:
                 logger.info("skipping %s: a model-only export cannot resume training", info.path.name)
                 continue
+            rest = [c for c in candidates[i + 1:] if not c.model_only]
             try:
                 return self._load_full(info)
             except UnreadableCheckpoint as e:
                 self._damaged.add(info.path.name)
-                rest = [c for c in candidates[i + 1:] if not c.model_only]
                 logger.warning(
                     "checkpoint %s is corrupt or partial (%s); %s", info.path.name, e,
                     f"falling back to {rest[0].path.name}" if rest else "no older complete checkpoint to fall back to",
                 )
+            except RefusedCheckpoint as e:
+                # Not a disk fault but a changed file: no silent fallback to an older checkpoint
+                # of the same folder, which whoever changed this one could have changed too.
+                older = f", or resume from an older one with --checkpoint.load_step {rest[0].step}" if rest else ""
+                raise RefusedCheckpoint(
+                    f"{e}; remove the checkpoint {info.path} if you did not write it (the run does not fall back "
+                    f"past it{older})"
+                ) from None
         raise CheckpointError(
             f"no loadable checkpoint in {self.folder} (see the warnings above); "
             "move the folder away to start from scratch"
@@ -420,10 +427,7 @@ class CheckpointManager:
         for r in candidates:
             state[f"rank_state_{r}"] = copy.deepcopy(own)
         kept = _group_steps_not_saved(state.get("optimizer", {}), shapes)
-        try:
-            dcp_load(state, info.path)
-        except LOAD_ERRORS as e:
-            raise UnreadableCheckpoint(short_error(e)) from None
+        dcp_load(state, info.path)
         for key, value in kept.items():  # from the per-parameter count where there is one
             old = state["optimizer"].pop(_per_parameter_step(key), None)
             state["optimizer"][key] = value if old is None else int(old.item())
