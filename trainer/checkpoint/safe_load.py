@@ -57,7 +57,8 @@ _DCP_METADATA_CLASSES = (
 METADATA_GLOBALS = frozenset(
     {("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_CLASSES}
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+       ("pathlib._local", "PosixPath")}  # where Python 3.13 defines (and so pickles) PosixPath
     | {("torch", name) for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.layout))}
 )
 # numpy's array pickle, for the MT19937 key (uint32) of `numpy.random.get_state()`:
