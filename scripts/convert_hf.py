@@ -51,12 +51,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32", *
 
 
 def export_hf(
-    ckpt: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gb: float = 5.0
+    ckpt: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gb: float = 5.0,
+    load_unverified: bool = False,
 ) -> list[Path]:
     """Our DCP checkpoint -> HF safetensors shards + index + config.json at `out_dir`."""
     path = resolve_checkpoint_path(ckpt)
     args = read_model_args(path)
-    native = read_model_state_dict(path)
+    native = read_model_state_dict(path, load_unverified)
     hf = DeepSeekV3StateDictAdapter(args).to_hf(native)
     return write_hf_checkpoint(
         hf, out_dir, config=to_hf_config(args), max_shard_bytes=int(max_shard_gb * 1024**3),
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("out_dir")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights; default: as saved")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--load-unverified", action="store_true",
+                     help="also export a checkpoint whose marker records no checksums (its files are not verified)")
     opts = parser.parse_args(argv)
     try:
         if opts.command == "import":
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             out = import_hf(opts.hf_dir, opts.out_dir, opts.dtype, **overrides)
             print(f"wrote DCP checkpoint {out}")
         else:
-            files = export_hf(opts.checkpoint, opts.out_dir, opts.dtype, opts.max_shard_gb)
+            files = export_hf(opts.checkpoint, opts.out_dir, opts.dtype, opts.max_shard_gb, opts.load_unverified)
             print(f"wrote {len(files)} safetensors shard(s), index and config.json to {opts.out_dir}")
     except (FileNotFoundError, CheckpointError, KeyError, ValueError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

@@ -63,6 +63,7 @@ def ckpt_cfg(**overrides):
     cfg = dict(
         enable=True, folder="checkpoint", interval=1, keep_latest_k=0, async_mode="disabled", load_step=-1,
         last_save_model_only=False, export_dtype="bfloat16", initial_load_path=None, initial_load_format="dcp",
+        load_unverified=False,
     )
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
@@ -242,16 +243,22 @@ def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog, monkeypatch):
         with pytest.raises(CheckpointError, match=rf"^{shard} differs from the SHA-256 recorded"):
             load()
 
-    # A checkpoint of an earlier version, without checksums, still loads.
+    # A marker without its record (an earlier version's, or `"files"` damaged away) fails closed
+    # (issue 44): refused by name, naming the option that loads it unverified, which then says so.
     marker = json.loads((folder / "step-1" / COMPLETE).read_text())
     del marker["files"]
     (folder / "step-1" / COMPLETE).write_text(json.dumps(marker))
+    for load in (build(tmp_path, load_step=1).mgr.load, lambda: read_model_state_dict(folder / "step-1")):
+        with pytest.raises(CheckpointError, match=rf"^{folder / 'step-1' / COMPLETE} records no checksums.*"
+                                                  "--checkpoint.load_unverified"):
+            load()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainer"):
-        old = build(tmp_path, load_step=1)
+        old = build(tmp_path, load_step=1, load_unverified=True)
         assert old.mgr.load()["step"] == 1
-    assert "records no checksums" in caplog.text
+    assert "records no checksums: loading it unverified (checkpoint.load_unverified)" in caplog.text
     assert "saved before checksums were recorded, so not verified" in old.mgr.newest_good()
+    assert read_model_state_dict(folder / "step-1", load_unverified=True)
 
 
 # What a damaged marker can look like: cut off (a killed copy), empty (a crash before the write
@@ -262,6 +269,14 @@ DAMAGED_MARKERS = {
     "not UTF-8": lambda text: text[:40] + b"\xff\xfe" + text[42:],
     "not an object": lambda text: b"[]",
     "checksum record": lambda text: text.replace(b'"bytes"', b'"bytez"'),
+    # Valid JSON that lost what every marker holds (issue 44): the step, the record, or a file of it.
+    "no step": lambda text: text.replace(b'"step"', b'"stop"'),
+    "empty object": lambda text: b"{}",
+    "no record": lambda text: text.replace(b'"files"', b'"filez"'),
+    "empty record": lambda text: json.dumps({**json.loads(text), "files": {}}).encode(),
+    "a file left out": lambda text: json.dumps(
+        {**json.loads(text), "files": {k: v for k, v in json.loads(text)["files"].items() if k != ".metadata"}}
+    ).encode(),
 }
 
 
@@ -279,8 +294,9 @@ def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkey
     b = build(tmp_path, keep_latest_k=1)
     with caplog.at_level(logging.INFO, logger="trainer"):
         assert b.mgr.load()["step"] == 2
-    assert f"checkpoint step-9 is corrupt or partial ({marker} is damaged" in caplog.text
-    assert "falling back to step-2" in caplog.text and "records no checksums" not in caplog.text
+    assert (f"checkpoint step-9 is corrupt or partial ({marker} is damaged" in caplog.text
+            or f"checkpoint step-9 is corrupt or partial ({marker} records no checksums" in caplog.text), caplog.text
+    assert "falling back to step-2" in caplog.text and "loading it unverified" not in caplog.text
     assert any(r.levelno == logging.WARNING and "step-9" in r.getMessage() for r in caplog.records)
     for key, value in reference.items():
         assert torch.equal(value, b.model.state_dict()[key]), key
@@ -295,7 +311,7 @@ def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkey
 
     # Nothing to fall back to: one line naming the marker.
     for load in (build(tmp_path, load_step=9).mgr.load, lambda: read_model_state_dict(folder / "step-9")):
-        with pytest.raises(CheckpointError, match=rf"^{marker} is damaged"):
+        with pytest.raises(CheckpointError, match=rf"^{marker} (is damaged|records no checksums)"):
             load()
 
 

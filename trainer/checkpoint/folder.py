@@ -148,6 +148,9 @@ def read_marker(path: Path) -> dict:
         raise UnreadableCheckpoint(f"{file} is damaged: not the JSON its save wrote ({str(e).splitlines()[0]})") from None
     if not isinstance(marker, dict):
         raise UnreadableCheckpoint(f"{file} is damaged: a JSON {type(marker).__name__}, not the object its save wrote")
+    if not isinstance(marker.get("step"), int) or isinstance(marker.get("step"), bool):
+        # Every version's marker names its step: `{}`, or a changed byte in the key, is damage.
+        raise UnreadableCheckpoint(f"{file} is damaged: no \"step\", which every marker of this trainer names")
     files = marker.get(FILES)
     if files is not None and not _well_formed_record(files):
         raise UnreadableCheckpoint(f"{file} is damaged: its \"{FILES}\" entry is not a record of sizes and SHA-256s")
@@ -214,14 +217,30 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-def verify_checkpoint(path: Path) -> bool:
-    """Raise UnreadableCheckpoint naming a damaged `COMPLETE` marker, or every file of `path`
-    whose size or SHA-256 differs from its record (every rank calls it: the ranks share the hashing).
-    False: the checkpoint records no checksums (an older version's), so nothing was verified."""
-    files = read_marker(path).get(FILES)
+def verify_checkpoint(path: Path, load_unverified: bool = False) -> bool:
+    """Raise UnreadableCheckpoint naming a damaged `COMPLETE` marker, a file of `path` its record
+    leaves out, or every file whose size or SHA-256 differs from its record (every rank calls it:
+    the ranks share the hashing). Fails closed: a marker without a record (`{"step": 12}`: one
+    changed byte in its key, or a checkpoint saved before checksums existed) or no marker at all
+    (a DCP folder another tool wrote) is refused, unless `load_unverified`
+    (`checkpoint.load_unverified`); then it returns False: nothing was verified."""
+    marker = read_marker(path)
+    files = marker.get(FILES)
     if files is None:
-        logger.info("%s records no checksums (not saved by this version): its files are not verified", path)
+        what = f"{path / COMPLETE} records no checksums" if marker else f"{path} has no {COMPLETE} marker"
+        if not load_unverified:
+            raise UnreadableCheckpoint(
+                f"{what}, so its files cannot be verified (a damaged marker, or a checkpoint saved before checksums "
+                "existed or by another tool); --checkpoint.load_unverified loads such a checkpoint unverified"
+            )
+        logger.warning("%s: loading it unverified (checkpoint.load_unverified)", what)
         return False
+    unrecorded = sorted(p.name for p in path.iterdir() if p.name != COMPLETE and p.name not in files)
+    if unrecorded:
+        raise UnreadableCheckpoint(
+            f"{path / COMPLETE} is damaged: its checksum record leaves out files the checkpoint holds "
+            f"{_listing(unrecorded)}"
+        )
     start = time.perf_counter()
     problems = checksum_problems(path, files)
     if problems:
@@ -231,10 +250,10 @@ def verify_checkpoint(path: Path) -> bool:
     return True
 
 
-def verify_or_refuse(path: Path) -> None:
+def verify_or_refuse(path: Path, load_unverified: bool = False) -> None:
     """`verify_checkpoint` for a load that has no older checkpoint to fall back to."""
     try:
-        verify_checkpoint(path)
+        verify_checkpoint(path, load_unverified)
     except UnreadableCheckpoint as e:
         raise CheckpointError(str(e)) from None
 
@@ -280,13 +299,13 @@ def export_state_dict(model_sd: dict[str, torch.Tensor], dtype: torch.dtype) -> 
     }
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module, whole: bool = True) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, whole: bool = True, load_unverified: bool = False) -> Path:
     """Load only the `model.*` entries of a DCP checkpoint (full or model-only, any dtype) into
     `model` (``whole=False``: one pipeline rank's share), resharding to its layout. Returns the
     checkpoint path used."""
     path = resolve_checkpoint_path(path)
     model_sd = get_model_state_dict(model)
-    verify_or_refuse(path)
+    verify_or_refuse(path, load_unverified)
     try:
         shapes = checkpoint_shapes(path)
     except UnreadableCheckpoint as e:
@@ -331,11 +350,11 @@ def save_model_checkpoint(
     return final
 
 
-def read_model_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def read_model_state_dict(path: str | Path, load_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The `model.*` tensors of a DCP checkpoint as plain CPU tensors in their saved dtypes,
     without building a model (for conversion)."""
     path = resolve_checkpoint_path(path)
-    verify_or_refuse(path)
+    verify_or_refuse(path, load_unverified)
     try:
         metadata = read_dcp_metadata(path).state_dict_metadata
     except UnreadableCheckpoint as e:

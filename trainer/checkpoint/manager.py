@@ -400,7 +400,7 @@ class CheckpointManager:
                 f"{info.path} is a model-only export; use checkpoint.initial_load_path to start from it"
             )
         start = time.perf_counter()
-        verified = verify_checkpoint(info.path)
+        verified = verify_checkpoint(info.path, self.cfg.load_unverified)
         shapes = checkpoint_shapes(info.path)
         # Whatever train_state keys the checkpoint has (older ones may lack newer counters).
         saved_train_state = {k.removeprefix("train_state."): 0 for k in shapes if k.startswith("train_state.")}
@@ -500,7 +500,8 @@ class CheckpointManager:
         if cfg.initial_load_format == "hf":
             load_hf_weights(path, self.model, self.model_args)
         else:
-            path = load_model_weights(path, self.model, whole=not self.pipeline_share)
+            path = load_model_weights(path, self.model, whole=not self.pipeline_share,
+                                      load_unverified=self.cfg.load_unverified)
         logger.info(
             "initial weights loaded from %s (%s) in %.2fs", path, cfg.initial_load_format, time.perf_counter() - start
         )

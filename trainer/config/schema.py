@@ -306,6 +306,10 @@ class Checkpoint(Section):
         "disabled", "async: write checkpoints in a background thread while training goes on"
     )
     load_step: int = option(-1, "Step to resume from; -1 = the newest complete checkpoint")
+    load_unverified: bool = option(
+        False, "Also load checkpoints whose marker records no checksums (saved before checksums existed, or by "
+        "another tool): their files are not verified"
+    )
     reset_optimizer: bool = option(
         False, "Resume weights, schedule and data position but start the optimizer state afresh (to switch optimizer)"
     )
