@@ -62,6 +62,7 @@ from trainer.model_args import build_model_args, resolve_flavor
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher
 from trainer.parallel.pipeline_step import PipelineStep
 from trainer.profiling import StepBreakdown
+from trainer.progress import phase
 from trainer.runtime import resolve_path
 from trainer.train import Trainer
 
@@ -409,6 +410,8 @@ def dry_run(cfg: JobConfig) -> list[dict]:
     check_model_fit(cfg, Layout.from_job(cfg, cfg.dry_run.world_size))  # run_train.sh's pre-launch check
     cfg, notes = rehearsal_config(cfg)
     ranks = default_ranks(cfg)
+    phase(f"dry run: rehearsing rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of "
+          f"{cfg.dry_run.world_size}, one after the other")
     if ranks == [0]:
         reports = [rehearse_rank(cfg, 0, notes)]
     else:
@@ -424,10 +427,14 @@ def dry_run(cfg: JobConfig) -> list[dict]:
 def rehearse_rank(cfg: JobConfig, rank: int, notes: list[str]) -> dict:
     """Builds rank ``rank``, rehearses its step, prints and returns its report."""
     start = time.perf_counter()
+    who = f"dry run: rank {rank} of {cfg.dry_run.world_size}"
+    phase(f"{who}: building the trainer (model, parallelism, optimizer) ...")
     trainer = DryRunTrainer(cfg, rank)
     try:
         built = time.perf_counter()
+        phase(f"{who}: built in {built - start:.0f} s; rehearsing one training step ...")
         step = trainer.rehearse_step()
+        phase(f"{who}: step rehearsed in {time.perf_counter() - built:.0f} s; writing the report")
         report = _report(trainer, rank, step, notes, built - start, time.perf_counter() - built)
     finally:
         trainer.close()

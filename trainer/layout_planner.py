@@ -28,6 +28,7 @@ from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.memory import estimate
+from trainer.progress import Progress, phase
 from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
 # Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
@@ -134,8 +135,12 @@ def plan_layouts(
     figures = ModelFigures.of(args, seq_len)
     splits: dict[tuple, str] = {}
     ranked, considered = [], 0
-    for plan in candidates(flavor, gpus, gpus_per_node, seq_len, global_batch):
+    phase(f"plan: listing the layouts of {flavor} on {gpus} GPUs ...")
+    plans = list(candidates(flavor, gpus, gpus_per_node, seq_len, global_batch))
+    progress = Progress("plan: layouts estimated", len(plans))
+    for plan in plans:
         considered += 1
+        progress.update(fit=len(ranked))
         pipe = plan.pipeline
         if pipe.enabled:
             key = (pipe.pp, pipe.pp_schedule, pipe.pp_stages_per_rank)
@@ -147,6 +152,7 @@ def plan_layouts(
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
         ranked.append(Ranked(plan, memory, step_time(args, plan, hardware, figures)))
+    progress.close(fit=len(ranked))
     ranked.sort(key=lambda r: r.time["seconds"])
     return ranked, considered
 

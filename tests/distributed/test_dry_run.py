@@ -49,7 +49,15 @@ def _dry_command(tmp_path: Path, *args: str, ngpu: int = 0) -> list[dict]:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    reports = json.loads(out.read_text())
+    # Progress on stderr, a phase a line (stderr is no terminal here: issue 48); stdout holds the
+    # reports alone.
+    for r in reports:
+        who = f"dry run: rank {r['rank']} of {r['world_size']}"
+        for phase in ("building the trainer", "rehearsing one training step", "writing the report"):
+            assert f"{who}: " in proc.stderr and phase in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.startswith("dry run: rank ") and "building the trainer" not in proc.stdout, proc.stdout[-3000:]
+    return reports
 
 
 def _pairs(collectives: list[dict]) -> Counter:
