@@ -297,7 +297,7 @@ class WeightPassRuntime:
     dispatches on the action type only). Private API: the runtime's bookkeeping of the action,
     redone here (torch 2.13's ``_PipelineScheduleRuntime._perform_action``): the unshard assertion
     (``_assert_unsharded``) and the backward counter (``backward_counter``, ``_n_microbatches``)
-    that tells the step's last backward."""
+    that tells the step's last backward; the stages by index from ``_stages``."""
 
     def __init__(self, schedule):
         self.schedule = schedule
@@ -321,8 +321,8 @@ def weight_pass(stage: PipelineStage, mb: int, last_backward: bool) -> None:
     (a block has several), and non-reentrant checkpointing recomputes a block once per graph task,
     keeping what that call did not use until the stage's graph is freed at the pass's end: the
     block ran and was held once per group. Under one ``GraphExecGroup`` (public in
-    ``torch.utils.checkpoint`` since torch 2.10, pytorch#166536) every call of the pass shares one
-    recomputation. Its condition, that no two calls of the group use the same saved tensor, is
+    ``torch.utils.checkpoint`` since pytorch#166536, October 2025, before torch 2.11) every call of
+    the pass shares one recomputation. Its condition, that no two calls of the group use the same saved tensor, is
     torch's own: the calls free what they use (``retain_graph=False``). The calls and their inputs
     are torch's, so the gradients are too, bit for bit (tests/distributed/test_pipeline_grads.py)."""
     with GraphExecGroup():
