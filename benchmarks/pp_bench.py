@@ -6,6 +6,7 @@ the memory estimate of a 671B layout with and without pipelining.
     python benchmarks/pp_bench.py --microbatches 8     # more, smaller micro-batches
     python benchmarks/pp_bench.py --split even         # the old even split of layer equivalents
     python benchmarks/pp_bench.py --dp-shard 2         # pp 2 x FSDP 2 on 4 processes
+    python benchmarks/pp_bench.py --ac full            # every run with full activation checkpointing
 
 Each schedule trains the debug model with the real `Trainer` (gloo, fp32, one thread per rank,
 the same global batch) on ``--pp x --dp-shard`` processes. The step time is the median over the
@@ -33,9 +34,11 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 from trainer.config.pipeline_layout import PP_SCHEDULES, PipelinePlan
+from trainer.config.schema import ACMode
 from trainer.diagnostics import spawn_local
 from trainer.run_folder import latest_run_folder
 
@@ -124,6 +127,7 @@ def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
         "--no-job.print_config", "--lr_scheduler.warmup_steps", "2",
         "--parallelism.pp", str(args.pp), "--parallelism.dp_shard", str(args.dp_shard),
         "--parallelism.pp_schedule", schedule, "--parallelism.pp_microbatches", str(microbatches),
+        "--activation_checkpoint.mode", args.ac,
     ]
     if args.split == "even":
         from models.deepseek_v3 import get_flavor
@@ -181,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="pp_microbatches (at least the schedule's fewest; -1: the fewest)")
     p.add_argument("--split", choices=("cost", "even"), default="cost",
                    help="stage split: by estimated cost (the trainer's) or the even split of layer equivalents")
+    p.add_argument("--ac", default="none", choices=typing.get_args(ACMode), help="activation_checkpoint.mode of every run")
     p.add_argument("--gpus", type=int, default=2048, help="GPUs of the 671B memory comparison (a multiple of 16)")
     args = p.parse_args(argv)
 
     results = {"pp": args.pp, "dp_shard": args.dp_shard, "seq_len": args.seq_len, "batch": args.batch,
-               "split": args.split, "schedules": {}}
+               "split": args.split, "ac": args.ac, "schedules": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.schedules:
             micro = max(args.microbatches, PipelinePlan(pp=args.pp, pp_schedule=name).pp_microbatches)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one schedule's failure must not hide the others' figures
                 results["schedules"][name] = {"microbatches": micro, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
     print(f"pp {args.pp} x dp_shard {args.dp_shard}, debug model, seq_len {args.seq_len}, global batch {args.batch}, "
-          f"{args.split} split\n")
+          f"{args.split} split, AC {args.ac}\n")
     print("| schedule | stages/rank | micro-batches | step (s) | bubble per pp rank | stage work per pp rank |")
     print("|---|---|---|---|---|---|")
     for name, r in results["schedules"].items():

@@ -33,13 +33,14 @@ fp32 ones are the accumulators) arise while the other in-flight micro-batches' a
 logits are held: the late-backward side; the micro-batches in flight follow each schedule's
 warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py).
 
-A zero-bubble schedule with full activation checkpointing: the weight pass of a stage
-(``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, each a graph task of
-its own, so each recomputes the checkpointed block (non-reentrant checkpointing recomputes once per
-graph task) and keeps what it recomputed but did not use until the stage's graph is freed at the
-pass's end. At that point the rank holds several copies of the stage's activations:
-``ZB_WEIGHT_PASS_RECOMPUTES`` times the largest stage's blocks without checkpointing, on top of
-the checkpointed in-flight micro-batches. Full AC then costs more than no AC under these schedules.
+A zero-bubble schedule with full activation checkpointing: the weight pass of a stage recomputes
+each checkpointed block once (trainer/parallel/pipeline_step.py `weight_pass`: torch's one
+``autograd.grad`` per parameter group, sharing one recomputation) and keeps what it recomputed but
+did not use until the stage's graph is freed at the pass's end. At that point the rank holds up to
+one copy of the stage's activations: ``ZB_WEIGHT_PASS_RECOMPUTES`` (one) times the largest stage's
+blocks without checkpointing, on top of the checkpointed in-flight micro-batches. What the weight
+gradients use is freed as the pass goes, so this errs high (the debug model's ZBVZeroBubble rank 0
+holds 0.6 of a copy by the dry run; torch's own weight pass, recomputing per group, held 4.0).
 
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
@@ -74,10 +75,9 @@ ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_p
 STATE_BYTES = {"params": 4, "grads": 4}  # fp32 master weights and gradients
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # per optimizer-state element
 # A zero-bubble schedule with full activation checkpointing: the recomputed activations of a stage's
-# weight pass, in units of that stage's blocks' activations without checkpointing (module
-# docstring; the dry runs measure 2.4-8.4 on the debug model and 8.1 on the 671B DualPipeV rank 0,
-# docs/performance.md).
-ZB_WEIGHT_PASS_RECOMPUTES = 8.5
+# weight pass, in units of that stage's blocks' activations without checkpointing: one recomputation
+# of each block, all of it held (module docstring).
+ZB_WEIGHT_PASS_RECOMPUTES = 1
 
 
 def optimizer_state_bytes(local_params: float, local_muon_params: float, state_dtype: str) -> float:
@@ -324,8 +324,8 @@ def _estimate_share(
     if ac == "full":
         act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
         if zero_bubble:
-            # The weight pass recomputes a checkpointed stage once per parameter group
-            # (module docstring): the largest stage's blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
+            # The weight pass recomputes a checkpointed stage once (module docstring): the
+            # largest stage's blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
             bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
             act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(per_layer[i:j]) for i, j in zip(bounds, bounds[1:]))
     else:

@@ -11,11 +11,19 @@ seed and each parameter's global name only), with its gradients summed over the 
 ``negative_control``: the same pipeline with every FSDP unit resharding its parameters after
 forward (torch's public ``set_reshard_after_forward``), which the zero-bubble schedules cannot
 handle. The step object is built past `build_step`'s guard, which is checked to refuse it.
+
+``ac``: the activation checkpointing mode. Every call of a checkpointed block is counted per
+micro-batch (a forward pre-hook on the wrapped block, keyed by the block and its input's sum: each
+micro-batch's rows differ), so ``calls`` - 1 is how often the block was recomputed. With ``ac`` set
+and a zero-bubble schedule the case runs twice on fresh models: the trainer's path, then torch's own
+weight pass (the schedule's registered ``BACKWARD_WEIGHT`` function removed, so torch's runtime runs
+``stage_backward_weight`` itself), and the two runs' gradients are compared bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -74,9 +82,29 @@ def _reference_grads() -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control: bool):
-    """This rank's model and step after one forward and backward, plus whether the guard refused."""
-    from functools import partial
+def _count_block_calls(model) -> dict[tuple[str, float], int]:
+    """Calls of each checkpointed block by (block, micro-batch), filled as the model runs."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    calls: dict[tuple[str, float], int] = {}
+
+    def count(name, module, args):
+        with torch.no_grad():
+            key = (name, round(args[0].double().sum().item(), 6))
+        calls[key] = calls.get(key, 0) + 1
+
+    for name, module in model.named_modules():
+        if isinstance(module, CheckpointWrapper):
+            module._checkpoint_wrapped_module.register_forward_pre_hook(partial(count, name))
+    return calls
+
+
+def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control: bool, ac: str = "none",
+               torch_weight_pass: bool = False):
+    """This rank's model after one forward and backward, whether the guard refused, and the
+    checkpointed blocks' calls (`_count_block_calls`). ``torch_weight_pass``: torch's runtime runs
+    the weight pass itself (module doc)."""
+    from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
     from models.deepseek_v3 import DeepSeekV3Model
     from trainer.config import ActivationCheckpoint, Engram, Parallelism, Quantize, Training
@@ -93,7 +121,9 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
     with torch.device("meta"):
         model = DeepSeekV3Model(model_args())
     specs = apply_pipeline(model, dims, SEQ_LEN)
-    stage = parallelize_stage(model, dims, parallelism, training, ActivationCheckpoint(), Quantize(), Engram(), "cpu", specs)
+    stage = parallelize_stage(model, dims, parallelism, training, ActivationCheckpoint(mode=ac), Quantize(), Engram(),
+                              "cpu", specs)
+    calls = _count_block_calls(model)
     refused = None
     if negative_control:
         for module in stage.stages:  # the blocks' units (the stage roots hold what two stages share)
@@ -113,12 +143,14 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
     dp_rank, dp_size = dims.dp_rank_and_degree() if dims.has_mesh("dp") else (0, 1)
     rows = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
     micro, n_valid, n_mtp = step.prepare([(tokens[rows], labels[rows])], model.args.mtp_depth)
+    if torch_weight_pass:
+        step.schedule(tokens.device, train=True)._comp_type_to_function_map.pop(BACKWARD_WEIGHT, None)
     objective = partial(_objective, n_valid=n_valid, n_valid_mtp=n_mtp)
     with step.loss_context():
         step.forward_backward(micro, objective, contextlib.nullcontext)
     # What the step owes the gradients before the optimizer (the embedding replica's sum); no clip.
     step.finish_grads([p for p in model.parameters() if p.grad is not None], 0.0)
-    return model, refused
+    return model, refused, calls
 
 
 def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
@@ -126,6 +158,7 @@ def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
     result per case and rank."""
     from torch.distributed.tensor import DTensor
 
+    from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
     from trainer.diagnostics import init_local_gloo
 
     torch.set_num_threads(1)
@@ -134,16 +167,25 @@ def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
     try:
         reference = _reference_grads()
         for case in cases:
-            model, refused = _pipelined(**case)
+            model, refused, calls = _pipelined(**case)
+            torch_path = {}
+            if case.get("ac", "none") != "none" and case["schedule"] in ZERO_BUBBLE_SCHEDULES:
+                torch_model, _, torch_calls = _pipelined(**case, torch_weight_pass=True)
+                torch_grads = dict(torch_model.named_parameters())
+                torch_path = {
+                    "calls": torch_calls,
+                    "bitwise": all(torch.equal(p.grad, torch_grads[name].grad)
+                                   for name, p in model.named_parameters() if p.grad is not None),
+                }
             worst, missing = 0.0, []
             for name, param in model.named_parameters():
                 if param.grad is None:
                     missing.append(name)
                     continue
                 got = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-                want = reference[name]
+                want = reference[name.replace("._checkpoint_wrapped_module", "")]  # the wrapper's own name
                 worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
             queue.put({"case": case, "rank": rank, "max_rel": worst, "missing": missing, "refused": refused,
-                       "params": sum(1 for _ in model.parameters())})
+                       "params": sum(1 for _ in model.parameters()), "calls": calls, "torch_path": torch_path})
     finally:
         dist.destroy_process_group()

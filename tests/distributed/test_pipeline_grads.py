@@ -3,7 +3,11 @@ zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
 
 - Fast tier, one 2-rank launch: pp 2 with every schedule torch ships (the pipeline runtime of
   each, including the V schedules, whose rank 0 shares its embedding with MTP on the last stage,
-  and the looped ones with four stages).
+  and the looped ones with four stages). The zero-bubble schedules again with full activation
+  checkpointing: one weight pass (trainer/parallel/pipeline_step.py `weight_pass`) recomputes each
+  checkpointed block at most once per micro-batch for its input gradients and once for its weight
+  gradients, where torch's own weight pass recomputes it once per parameter group, and the
+  gradients equal torch's path bit for bit (the same calls on the same recomputed values).
 - pp 2 x FSDP 2 on 4 ranks with DualPipeV, ZBVZeroBubble and InterleavedZeroBubble, and the V
   schedules with EP 2 too: the stage modules are FSDP roots with ``reshard_after_forward=False``
   inside, and every gradient (the routed experts' second parameter group on "efsdp" included) is
@@ -47,11 +51,40 @@ def _assert_matches(ranks: list[dict]) -> None:
         assert r["max_rel"] <= REL, r
 
 
+def _by_ac(results: list[dict]) -> dict[tuple, list[dict]]:
+    """Results by (schedule, activation checkpointing mode), each a list over the ranks."""
+    by_case: dict[tuple, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["rank"]):
+        by_case.setdefault((r["case"]["schedule"], r["case"]["ac"]), []).append(r)
+    return by_case
+
+
+def _recomputes(calls: dict) -> list[int]:
+    """Each checkpointed block's recomputations per micro-batch (its calls less the forward)."""
+    return [n - 1 for n in calls.values()]
+
+
 def test_every_schedule_matches_one_process():
-    cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False) for s in PP_SCHEDULES]
-    results = _run(2, cases)
+    cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="none") for s in PP_SCHEDULES]
+    cases += [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="full")
+              for s in ZERO_BUBBLE_SCHEDULES]
+    results = _by_ac(spawn_local(pipeline_grads_worker.run, 2, cases, results=2 * len(cases), timeout=600))
     for schedule in PP_SCHEDULES:
-        _assert_matches(results[schedule, 1, False])
+        _assert_matches(results[schedule, "none"])
+    for schedule in ZERO_BUBBLE_SCHEDULES:
+        ranks = results[schedule, "full"]
+        _assert_matches(ranks)
+        for r in ranks:
+            # Each block of the rank's stages, per micro-batch: recomputed once for a full backward
+            # (DualPipeV's overlapped pairs; the first stage, whose input pass torch skips and whose
+            # weight pass is its whole backward), else once for the input pass and once for the
+            # weight pass.
+            ours, theirs = _recomputes(r["calls"]), _recomputes(r["torch_path"]["calls"])
+            assert ours and len(ours) == len(theirs), r
+            assert max(ours) <= 2 and min(ours) >= 1, (schedule, r["rank"], r["calls"])
+            # The count sees torch's repeats: its weight pass recomputes a block per parameter group.
+            assert max(theirs) > 2, (schedule, r["rank"], r["torch_path"]["calls"])
+            assert r["torch_path"]["bitwise"], (schedule, r["rank"])
 
 
 @pytest.fixture(scope="module")

@@ -229,8 +229,9 @@ def test_ep_as_cp_splits_the_sequence_and_keeps_fsdp_over_dp_shard():
 def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     """InterleavedZeroBubble against LoopedBFS (the same stages per rank and, at 2 micro-batches,
     in flight), full AC, no FSDP:
-    the zero-bubble rank adds ZB_WEIGHT_PASS_RECOMPUTES copies of its largest stage's activations
-    without checkpointing, and so needs more with full AC than without (the dry run's finding)."""
+    the zero-bubble rank adds ZB_WEIGHT_PASS_RECOMPUTES copies (one: the weight pass recomputes a
+    block once) of its largest stage's activations without checkpointing, and still needs less with
+    full AC than without (torch's own weight pass, recomputing per parameter group, needed more)."""
     from models.deepseek_v3.stats import stage_unit_costs
     from trainer.config.pipeline_layout import PipelineCosts
     from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES, _layer_activation_bytes
@@ -253,7 +254,7 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     largest = max(sum(_layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
     assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
     for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
-        assert with_ac > without
+        assert with_ac < without
 
 
 def test_micro_batches_in_flight_follow_each_schedules_warm_up():

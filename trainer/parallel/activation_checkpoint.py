@@ -17,15 +17,16 @@ A recomputation records nothing: the statistics a block's forward adds into (the
 counts behind the bias update and ``moe_imbalance``, Engram's gate sums, QK-clip's max logits:
 ``models.common.forward_stats``) are put back as they were when it ends, so every micro-batch
 counts once whatever the schedule recomputes. Counting on would not: a zero-bubble schedule's
-weight pass recomputes a block once per parameter group (one ``autograd.grad`` each), DualPipeV
-gives some micro-batches a split backward and others a full one, and the bias update then moves
-the wrong experts. The put-back runs in the checkpoint's recompute context, around the block's
+split backward recomputes a block in its input pass and again in its weight pass (torch's own
+weight pass once per parameter group; the trainer's once, trainer/parallel/pipeline_step.py
+`weight_pass`), DualPipeV gives some micro-batches a split backward and others a full one, and the
+bias update then moves the wrong experts. The put-back runs in the checkpoint's recompute context, around the block's
 call, so it holds for a compiled block too (its graph adds, eagerly restored after it).
 
 A block is recomputed as often as its backward is split: ``op`` replays the saved outputs of its
 per-op policy on every recomputation (torch's selective checkpoint hands each one out once and
-refuses a second backward), so the zero-bubble schedules' weight passes see the same values as
-their input pass. The saved outputs then live until the block's autograd graph is freed (after
+refuses a second backward), so a zero-bubble schedule's weight pass sees the same values as its
+input pass. The saved outputs then live until the block's autograd graph is freed (after
 the weight pass) rather than until the first recomputation takes them: never longer than a run
 without checkpointing keeps the same tensors.
 """

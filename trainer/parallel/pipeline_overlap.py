@@ -12,11 +12,12 @@ micro-batch has both halves overlapped, so running in node form only the micro-b
 backward is overlapped would hide nothing. Hence every forward of a stage holding MoE blocks runs
 in node form, and this module gives the runtime its own FORWARD, FULL_BACKWARD, BACKWARD_INPUT and
 BACKWARD_WEIGHT as well (stages without MoE blocks take torch's path, redone here: the runtime
-dispatches on the action type only). A node-form input pass computes the stage's weight gradients
-too but keeps them aside; its weight pass adds them into ``.grad``, so every parameter receives
-each micro-batch's gradient at the point of the schedule where torch's weight pass adds it, in the
-same order (fp32 sums are order-sensitive: the overlap on and off agree bit for bit,
-tests/distributed/test_moe_overlap.py).
+dispatches on the action type only; their weight pass is `WeightPassRuntime`'s, which recomputes a
+checkpointed block once, trainer/parallel/pipeline_step.py). A node-form input pass computes the
+stage's weight gradients too but keeps them aside; its weight pass adds them into ``.grad``, so
+every parameter receives each micro-batch's gradient at the point of the schedule where torch's
+weight pass adds it, in the same order (fp32 sums are order-sensitive: the overlap on and off agree
+bit for bit, tests/distributed/test_moe_overlap.py).
 
 Collective order: the ranks of one ep group hold the same stages (``ep`` borrows from
 ``dp_shard``, inside one pp rank) and run the same action list, so the pairs' exchanges keep the
@@ -28,7 +29,8 @@ Private API: a custom function must redo the runtime's bookkeeping (torch 2.13's
 between a rank's two adjacent V stages, which hand over with ``set_local_fwd_input`` /
 ``set_local_bwd_input``), the unshard assertion, the backward counter, the loss
 (``_maybe_compute_loss`` / ``_maybe_get_loss``), the stage's ``fwd_cache`` (what SEND_F sends) and
-``bwd_cache`` (what SEND_B sends). All of that coupling is in ``OverlapRuntime``.
+``bwd_cache`` (what SEND_B sends). All of that coupling is in ``OverlapRuntime`` and the
+`WeightPassRuntime` it extends.
 
 FSDP: every unit of a stage is gathered by the schedule's UNSHARD and stays so until REDUCE_GRAD
 (zero-bubble, trainer/parallel/pipeline_step.py); node-form gradients land in the gathered
@@ -46,7 +48,6 @@ from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
@@ -66,6 +67,7 @@ from trainer.parallel.moe_overlap import (
     pair,
 )
 from trainer.parallel.pipeline import StageModule
+from trainer.parallel.pipeline_step import WeightPassRuntime, weight_pass
 
 
 class StageNodes(NodeRun):
@@ -141,7 +143,7 @@ class StageNodes(NodeRun):
         self.h0 = self.aux0 = self.grad = self.layers = self.acts = None
 
 
-class OverlapRuntime:
+class OverlapRuntime(WeightPassRuntime):
     """DualPipeV's runtime with ``OVERLAP_F_B`` interleaved (module doc), registered on ``schedule``
     (a ``ScheduleDualPipeV`` over ``modules``, this rank's stages).
 
@@ -154,8 +156,7 @@ class OverlapRuntime:
     def __init__(self, schedule, modules: list[StageModule]):
         if not isinstance(schedule, ScheduleDualPipeV):
             raise ValueError(f"moe_overlap with pp needs pp_schedule DualPipeV, got {type(schedule).__name__}")
-        self.schedule = schedule
-        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        super().__init__(schedule)
         self.node_form = set()
         for module in modules:
             if any(block.moe_enabled for block in module.blocks):
@@ -167,7 +168,7 @@ class OverlapRuntime:
         self.loss_args: tuple = ()
         for kind, fn in (
             (FORWARD, self.forward), (FULL_BACKWARD, self.full_backward), (BACKWARD_INPUT, self.backward_input),
-            (BACKWARD_WEIGHT, self.backward_weight), (OVERLAP_F_B, self.overlap),
+            (OVERLAP_F_B, self.overlap),
         ):
             schedule.register_custom_function(kind, fn)
 
@@ -192,7 +193,7 @@ class OverlapRuntime:
         self.schedule._assert_unsharded(stage)
         last_backward = self._count_backward(stage)
         if action.stage_index not in self.node_form:
-            stage.backward_weight_one_chunk(mb, last_backward=last_backward)
+            weight_pass(stage, mb, last_backward)
             return
         with torch.no_grad():
             for p, grad in self.weight_grads.pop((action.stage_index, mb)):
@@ -280,11 +281,6 @@ class OverlapRuntime:
         if not stage.is_last and stage.stage_index + 1 not in self.stages:
             _wait_batch_p2p(self.schedule.bwd_recv_ops.pop((stage.stage_index, mb)))
         return stage, mb
-
-    def _count_backward(self, stage) -> bool:
-        """Counts a full or weight pass; whether it is the stage's last of the run."""
-        self.schedule.backward_counter[stage.stage_index] += 1
-        return self.schedule.backward_counter[stage.stage_index] == self.schedule._n_microbatches
 
     def _backward_nodes(self, stage, mb: int) -> StageNodes:
         """The micro-batch's node-form run, given its loss or its outputs' gradients."""
