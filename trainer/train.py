@@ -30,7 +30,6 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, count_param
 from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
-from trainer.config.pipeline_layout import PipelinePlan
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.distributed import (
     collective_timeout_message,
@@ -51,7 +50,6 @@ from trainer.memory import check_fits
 from trainer.metrics import (
     MetricsLogger,
     ThroughputWindow,
-    device_description,
     is_log_step,
     peak_flops_for,
     peak_memory_gib,
@@ -63,14 +61,13 @@ from trainer.parent_death import die_with_launcher
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.qk_clip import QKClip
 from trainer.run_folder import open_run_folder
+from trainer.run_header import log_run_header
 from trainer.runtime import (
-    git_revision,
     keep_freed_host_memory,
     resolve_path,
     select_device,
     set_seed_and_determinism,
     setup_logging,
-    versions,
 )
 from trainer.step_hooks import StepHook
 from trainer.validate import Validator
@@ -275,7 +272,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, cfg.to_dict(), t.steps, enabled=is_rank0())
         self.profiler = Profiler(cfg.profiling, self.run_dir, self.device)
         self.breakdown = StepBreakdown(cfg.profiling.step_breakdown, self.device)
-        self._log_run_header()
+        log_run_header(self)
 
     def _resume(self) -> None:
         """The checkpointer, and the run's state from its last checkpoint when there is one."""
@@ -325,45 +322,6 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _log_run_header(self) -> None:
-        cfg, t = self.cfg, self.cfg.training
-        if cfg.job.print_config:
-            logger.info("resolved config:\n%s", cfg.to_toml().rstrip())
-        cfg.save_toml(self.run_dir / "config.toml")
-        logger.info("git revision %s | %s", git_revision(), " ".join(f"{k} {v}" for k, v in versions().items()))
-        logger.info("device %s | %s", device_description(self.device), self.parallel_dims.describe())
-        logger.info("optional features: %s", ", ".join(active_features(cfg, self.parallel_dims.world_size)) or "none")
-        logger.info(
-            "model %s/%s: %.2fM params total, %.2fM active per token%s | %.3g training FLOPs/token "
-            "(6 x active non-embedding params + attention, no causal halving)",
-            cfg.model.name,
-            cfg.model.flavor,
-            self.n_params / 1e6,
-            self.n_active / 1e6,
-            f" (incl. MTP depth {self.model_args.mtp_depth})" if self.model_args.mtp_depth else "",
-            self.flops_per_token,
-        )
-        logger.info(
-            "tokenizer %s (vocab %d) | data %s | seq_len %d | global batch %d sequences = %d micro-batch(es) of %d",
-            resolve_path(cfg.model.tokenizer_path),
-            self.tokenizer.vocab_size,
-            t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}",
-            t.seq_len,
-            self.train_loader.global_batch_size,
-            self.grad_accum_steps,
-            t.local_batch_size,
-        )
-        if cfg.model.disable_yarn:
-            logger.warning("positions: %s, YaRN off by model.disable_yarn", self.model_args.describe_positions())
-        else:
-            logger.info("positions: %s", self.model_args.describe_positions())
-        logger.info(
-            "precision: params fp32%s | %s | run folder %s",
-            ", bf16 autocast" if self.autocast_dtype else ", no autocast",
-            "compiled" if t.compile else "eager",
-            self.run_dir.resolve(),
-        )
 
     def next_microbatches(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
         """All micro-batches of one optimizer step, fetched up front so the global count
@@ -528,26 +486,6 @@ class Trainer:
         self.checkpointer.close()
         self.metrics.close()
         destroy_distributed()
-
-
-def active_features(cfg, world_size: int) -> list[str]:
-    """The switched-on options that change how a step runs, as the run's log lists them: a user
-    reading train.log sees which of them this run had without reading the resolved config."""
-    p, plan = cfg.parallelism, PipelinePlan.from_config(cfg.parallelism)
-    features = [
-        (p.moe_overlap, "moe_overlap (the MoE all-to-alls run under another micro-batch's compute)"),
-        (p.ep_as_cp, "ep_as_cp (the sequence sharded over the expert ranks outside the MoE exchange)"),
-        (plan.enabled and plan.zero_bubble,
-         f"zero-bubble schedule {plan.pp_schedule} (each backward split into input and weight passes)"),
-        (cfg.activation_checkpoint.mode != "none", f"activation checkpointing {cfg.activation_checkpoint.mode}"),
-        (cfg.training.compile, "torch.compile"),
-        (cfg.optimizer.name == "muon" and world_size > 1, "Muon owners (each matrix orthogonalised by one rank)"),
-        (cfg.optimizer.name == "muon" and world_size == 1, "Muon"),
-        (cfg.optimizer.qk_clip, "QK-clip"),
-        (cfg.quantize.float8, "float8 matmuls" + (" (emulated)" if cfg.quantize.emulate else "")),
-        (cfg.engram.enable, "Engram" + (" (optimizer state in CPU memory)" if cfg.engram.offload_optimizer_state else "")),
-    ]
-    return [name for on, name in features if on]
 
 
 def main(argv: list[str] | None = None) -> int:
