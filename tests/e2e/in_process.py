@@ -1,9 +1,9 @@
 """How the e2e tests run the trainer as a user does, and read what a run logged.
 
 `run_layout` launches run_train.sh with NGPU processes, or, for one process, runs it in the
-pytest process (`run_main`); both return metrics.jsonl's records by step. `COMMON` are the parity
-settings (fp32, deterministic, global batch 8, the debug model at seq_len 32) and `assert_close`
-their bound.
+pytest process (`run_main`); both return metrics.jsonl's records by step. `worker_of_rank` finds
+a launched run's worker process (to stop or kill it). `COMMON` are the parity settings (fp32,
+deterministic, global batch 8, the debug model at seq_len 32) and `assert_close` their bound.
 
 One-process runs in the pytest process, as an NGPU=1 run_train.sh runs them:
 
@@ -103,3 +103,46 @@ def run_main(cwd: Path, *args: str) -> int:
         for handler in list(trainer_log.handlers):
             trainer_log.removeHandler(handler)
             handler.close()
+
+
+def processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, start time) of every process (one /proc read each)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every process below `root` (pid and start time name a process even if
+    its pid is reused)."""
+    table = processes()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _, started) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = started
+                frontier.append(pid)
+    return found
+
+
+def worker_of_rank(script_pid: int, rank: int) -> int:
+    """The worker process of global rank `rank`, not one of its own children (data loader or
+    checkpoint processes, forked with the same command and environment)."""
+    table, found = processes(), set()
+    for pid in descendants(script_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainer.train" in cmdline and f"RANK={rank}".encode() in environ:
+            found.add(pid)
+    workers = [pid for pid in found if pid in table and table[pid][0] not in found]
+    assert len(workers) == 1, f"no single worker of rank {rank} below {script_pid}: {found}"
+    return workers[0]

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from in_process import start
+from in_process import descendants, processes, start, worker_of_rank
 
 from trainer.checkpoint import list_checkpoints
 
@@ -59,53 +59,10 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
         time.sleep(0.1)
 
 
-def processes() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, start time) of every process (one /proc read each)."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        table[int(stat.parent.name)] = (int(fields[1]), fields[0], fields[19])
-    return table
-
-
-def descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every process below `root` (pid and start time name a process even if
-    its pid is reused)."""
-    table = processes()
-    found, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, _, started) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = started
-                frontier.append(pid)
-    return found
-
-
 def alive(group: dict[int, str]) -> list[int]:
     """The processes of `group` still running (a zombie has ended: only its exit status is left)."""
     table = processes()
     return [pid for pid, start in group.items() if pid in table and table[pid][2] == start and table[pid][1] != "Z"]
-
-
-def worker_of_rank(script_pid: int, rank: int) -> int:
-    """The worker process of global rank `rank`, not one of its own children (data loader or
-    checkpoint processes, forked with the same command and environment)."""
-    table, found = processes(), set()
-    for pid in descendants(script_pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"trainer.train" in cmdline and f"RANK={rank}".encode() in environ:
-            found.add(pid)
-    workers = [pid for pid in found if pid in table and table[pid][0] not in found]
-    assert len(workers) == 1, f"no single worker of rank {rank} below {script_pid}: {found}"
-    return workers[0]
 
 
 def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path):

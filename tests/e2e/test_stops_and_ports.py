@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from in_process import start
+from in_process import start, worker_of_rank
 
 from trainer.checkpoint import list_checkpoints
 
@@ -239,18 +239,6 @@ def test_ctrl_c_during_start_up_ends_without_a_traceback(tmp_path):
     assert proc.returncode == -signal.SIGINT and "Traceback" not in out, out[-3000:]
 
 
-def worker_pid(script_pid: int, rank: int) -> int:
-    """The pid of the worker of global rank `rank` (torchrun's child with RANK=rank)."""
-    for pid in children(torchrun_pid(script_pid)):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under {script_pid}")
-
-
 def test_a_worker_dead_of_a_signal_is_named_with_its_stack(tmp_path):
     """Rank 1 dies of SIGSEGV mid-run (issue 44): one line names the rank and the signal, then
     rank 1's Python stack (faulthandler; torchrun shows only rank 0's stderr), and rank 0, whose
@@ -258,7 +246,7 @@ def test_a_worker_dead_of_a_signal_is_named_with_its_stack(tmp_path):
     run_dir = tmp_path / "segv"
     proc = launch(run_dir)
     wait_for(proc, "step 2", lambda: max(losses(run_dir), default=0) >= 2)
-    os.kill(worker_pid(proc.pid, 1), signal.SIGSEGV)
+    os.kill(worker_of_rank(proc.pid, 1), signal.SIGSEGV)
     out = finish(proc)
     assert proc.returncode not in (0, 2), out[-3000:]
     assert "error: rank 1 died of SIGSEGV (signal 11); its Python stack:" in out, out[-3000:]
