@@ -31,24 +31,32 @@ from pathlib import Path
 
 
 def _attempt_folder(attempt: int | None = None) -> Path | None:
-    """`attempt<K>/` of this launch (K: this process's attempt by default), made on first use;
-    None outside run_train.sh's launches."""
+    """`attempt<K>/` of this launch (K: this process's attempt by default); None outside
+    run_train.sh's launches. The writers make it."""
     folder = os.environ.get("TRAINER_LAUNCH_DIR")
     if not folder or os.environ.get("RANK") is None:
         return None
     if attempt is None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    path = Path(folder, f"attempt{attempt}")
-    path.mkdir(exist_ok=True)
-    return path
+    return Path(folder, f"attempt{attempt}")
+
+
+def _own_file(kind: str) -> Path | None:
+    """This rank's `rank<R>.<kind>` in its attempt's folder (made here), or None outside
+    run_train.sh's launches."""
+    folder = _attempt_folder()
+    if folder is None:
+        return None
+    folder.mkdir(exist_ok=True)
+    return folder / f"rank{os.environ['RANK']}.{kind}"
 
 
 def write_launch_file(kind: str, text: str) -> bool:
     """Write this rank's `rank<R>.<kind>`; False (nothing written) outside run_train.sh's launches."""
-    folder = _attempt_folder()
-    if folder is None:
+    file = _own_file(kind)
+    if file is None:
         return False
-    Path(folder, f"rank{os.environ['RANK']}.{kind}").write_text(text + "\n", encoding="utf-8")
+    file.write_text(text + "\n", encoding="utf-8")
     return True
 
 
@@ -64,10 +72,10 @@ def record_fault_stacks() -> bool:
     """Under run_train.sh's multi-process launches, send `faulthandler`'s stacks to this rank's
     `rank<R>.fault` (an fd, which faulthandler keeps: no file object to hold on to); False
     elsewhere (one process: run_train.sh sets PYTHONFAULTHANDLER, so they go to stderr)."""
-    folder = _attempt_folder()
-    if folder is None:
+    file = _own_file("fault")
+    if file is None:
         return False
-    fd = os.open(folder / f"rank{os.environ['RANK']}.fault", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     faulthandler.enable(file=fd, all_threads=True)
     return True
 
@@ -83,7 +91,7 @@ def previous_attempt_failure() -> str | None:
     rank<R>.pid, since torchrun's line names the local rank only."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     folder = _attempt_folder(attempt - 1) if attempt else None
-    if folder is None:
+    if folder is None or not folder.is_dir():
         return None
     try:
         log = Path(os.environ["TRAINER_LAUNCH_DIR"], "launcher.log").read_text(encoding="utf-8", errors="replace")
