@@ -14,7 +14,9 @@ final partial *global* batch, so every batch has the same shape and every layout
 windows.
 
 Documents may cross window boundaries; BOS/EOS mark them, which is what document masking in
-attention keys on.
+attention keys on. An infinite loader starts the next epoch when the data runs out, with one line
+in the log. A weighted mixture of datasets (``training.dataset_mix``) packs each dataset on its
+own and draws each window of the global sample stream from one of them (trainer/data/mixture.py).
 
 Held-out validation: a hub dataset's own ``validation`` (or ``test``) split when it has one, else
 every ``VALIDATION_EVERY``-th document (index % 20 == 19, by position in the stream for streaming
@@ -108,22 +110,19 @@ def build_dataloader(
             keep the dataset's order, and validation is always read in order).
         streaming: read with ``streaming=True``; default: True for hub datasets, False for local.
     """
-    global_batch_size = check_batch_split(seq_len, batch_size, global_batch_size, dp_rank, dp_world_size)
+    batches = batch_split(seq_len, batch_size, global_batch_size, dp_rank, dp_world_size)
     source = load_source(
         tokenizer, dataset, dataset_path, split=split, token_group=token_group, seed=seed, shuffle=shuffle,
         streaming=streaming,
     )
-    return TokenDataLoader(
-        PackedWindows(source, seq_len=seq_len, infinite=infinite),
-        batch_size=batch_size,
-        global_batch_size=global_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-    )
+    return TokenDataLoader(PackedWindows(source, seq_len=seq_len, infinite=infinite), **batches)
 
 
-def check_batch_split(seq_len: int, batch_size: int, global_batch_size: int | None, dp_rank: int, dp_world_size: int) -> int:
-    """The global batch size (default: one micro-batch per DP rank), checked against the split."""
+def batch_split(
+    seq_len: int, batch_size: int, global_batch_size: int | None = None, dp_rank: int = 0, dp_world_size: int = 1
+) -> dict[str, int]:
+    """``TokenDataLoader``'s batch arguments, checked, with the global batch size's default (one
+    micro-batch per DP rank)."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
     if not 0 <= dp_rank < dp_world_size:
@@ -135,7 +134,10 @@ def check_batch_split(seq_len: int, batch_size: int, global_batch_size: int | No
             f"global_batch_size = {global_batch_size} is not a multiple of batch_size x dp_world_size = "
             f"{batch_size} x {dp_world_size}"
         )
-    return global_batch_size
+    return {
+        "batch_size": batch_size, "global_batch_size": global_batch_size, "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+    }
 
 
 def load_source(

@@ -35,7 +35,7 @@ import numpy as np
 import torch.distributed as dist
 
 from trainer.config.data_mix import MixSource
-from trainer.data.datasets import PackedWindows, TokenDataLoader, check_batch_split, load_source
+from trainer.data.datasets import PackedWindows, TokenDataLoader, batch_split, load_source
 from trainer.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("trainer")
@@ -117,17 +117,15 @@ def build_mixture_dataloader(
     tokenizer: Tokenizer,
     sources: list[MixSource],
     seq_len: int,
-    batch_size: int,
-    global_batch_size: int | None = None,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
     token_group: dist.ProcessGroup | None = None,
     seed: int = 0,
+    **batches: int,
 ) -> TokenDataLoader:
-    """The training loader of one data-parallel rank over the mixture ``sources`` (each
-    source's training documents, infinite, shuffled per epoch; the arguments as for
-    ``build_dataloader``)."""
-    global_batch_size = check_batch_split(seq_len, batch_size, global_batch_size, dp_rank, dp_world_size)
+    """The training loader of one data-parallel rank over the mixture ``sources``: each source's
+    training documents, infinite, shuffled per epoch. ``batches`` are ``batch_size``,
+    ``global_batch_size``, ``dp_rank`` and ``dp_world_size``; they and the other arguments are
+    as for ``build_dataloader``."""
+    split = batch_split(seq_len, **batches)
     streams = [
         PackedWindows(
             load_source(
@@ -145,10 +143,4 @@ def build_mixture_dataloader(
         )
         for s in sources
     ]
-    return TokenDataLoader(
-        MixedWindows(sources, streams, seed),
-        batch_size=batch_size,
-        global_batch_size=global_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-    )
+    return TokenDataLoader(MixedWindows(sources, streams, seed), **split)
