@@ -34,7 +34,9 @@ def combination_problems(cfg: Any) -> list[str]:
             f"(a file, a glob or a directory)."
         )
     if v.enable and v.dataset is None and v.dataset_path and (t.dataset == BUNDLED_DATASET or t.dataset_mix):
-        training_data = "each source of training.dataset_mix" if t.dataset_mix else f"the training dataset {BUNDLED_DATASET!r}"
+        training_data = (
+            "each source of training.dataset_mix" if t.dataset_mix else f"the training dataset {BUNDLED_DATASET!r}"
+        )
         problems.append(
             f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses {training_data}; "
             "add --validation.dataset json (or text, parquet, auto), or drop --validation.dataset_path."

@@ -176,7 +176,7 @@ class TokenDataLoader:
 
     def __init__(
         self,
-        windows: PackedWindows | WindowStream,
+        windows: WindowStream,
         *,
         batch_size: int,
         global_batch_size: int,
