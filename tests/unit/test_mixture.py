@@ -196,6 +196,8 @@ def test_config_conflicts_and_duplicates():
                 "a.jsonl",
             ]
         )
+    with pytest.raises(ConfigError, match="validation uses each source of training.dataset_mix"):
+        load_config(["--training.dataset_mix", "1 shakespeare", "--validation.dataset_path", "v.jsonl"])
     cfg = load_config(["--training.dataset_mix", "0.7 shakespeare, 0.3 someone/hub-set en"])
     assert [(s.weight, s.dataset, s.path) for s in parse_mixture(cfg.training.dataset_mix)] == [
         (0.7, "shakespeare", None),
