@@ -72,6 +72,8 @@ def test_draw_shares_follow_the_weights(seed):
     counts = np.bincount([sampler.source_of(k) for k in range(10_000)], minlength=3)
     shares = counts / 10_000
     assert np.all(np.abs(shares - [0.5, 0.3, 0.2]) <= 0.01 * np.array([0.5, 0.3, 0.2])), shares
+    # Integer arithmetic, the same on every CPU: the low-discrepancy draw is a few windows off.
+    assert np.abs(counts - [5000, 3000, 2000]).max() <= 3, counts
     # Unnormalised weights draw the same: only their ratios count.
     scaled = MixtureSampler([5, 3, 2], seed)
     assert all(scaled.source_of(k) == sampler.source_of(k) for k in range(1000))
