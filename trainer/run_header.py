@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from trainer.config.data_mix import parse_mixture
 from trainer.config.pipeline_layout import PipelinePlan
 from trainer.metrics import device_description
 from trainer.runtime import git_revision, resolve_path, versions
@@ -38,7 +39,7 @@ def log_run_header(trainer) -> None:
         "tokenizer %s (vocab %d) | data %s | seq_len %d | global batch %d sequences = %d micro-batch(es) of %d",
         resolve_path(cfg.model.tokenizer_path),
         trainer.tokenizer.vocab_size,
-        t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}",
+        _data_description(t),
         t.seq_len,
         trainer.train_loader.global_batch_size,
         trainer.grad_accum_steps,
@@ -55,6 +56,13 @@ def log_run_header(trainer) -> None:
         trainer.run_dir.resolve(),
     )
 
+
+
+def _data_description(t) -> str:
+    """The training data: the dataset, or the mixture's sources with their weights."""
+    if t.dataset_mix:
+        return "mixture " + ", ".join(f"{s.name} x {s.weight:g}" for s in parse_mixture(t.dataset_mix))
+    return t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}"
 
 
 def active_features(cfg, world_size: int) -> list[str]:

@@ -16,6 +16,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -30,7 +31,9 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, count_param
 from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.config.data_mix import parse_mixture
 from trainer.data import build_dataloader, build_tokenizer
+from trainer.data.mixture import build_mixture_dataloader
 from trainer.distributed import (
     collective_timeout_message,
     destroy_distributed,
@@ -70,7 +73,7 @@ from trainer.runtime import (
     setup_logging,
 )
 from trainer.step_hooks import StepHook
-from trainer.validate import Validator
+from trainer.validate import MixtureValidator, Validator
 
 logger = logging.getLogger("trainer")
 
@@ -231,9 +234,24 @@ class Trainer:
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
         self.token_group = torch.distributed.new_group(backend="gloo") if multi else None
+        self.mixture = parse_mixture(t.dataset_mix)
         # The loader is its own iterator (continuing from its state): the Trainer's data stream.
-        self.train_loader = self._loader(t.dataset, t.dataset_path, "train", infinite=True)
+        if self.mixture:  # paths resolved as `_loader` resolves one
+            sources = [dataclasses.replace(s, path=s.path and str(resolve_path(s.path))) for s in self.mixture]
+            self.train_loader = build_mixture_dataloader(
+                tokenizer=self.tokenizer, sources=sources, seq_len=t.seq_len, **self._batch_split()
+            )
+        else:
+            self.train_loader = self._loader(t.dataset, t.dataset_path, "train", infinite=True)
         self.validator = self._build_validator() if cfg.validation.enable else None
+
+    def _batch_split(self) -> dict:
+        """The loaders' batch split and order: this rank's share of the global batch, the seed."""
+        t = self.cfg.training
+        return dict(
+            batch_size=t.local_batch_size, global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
+            dp_rank=self.dp_rank, dp_world_size=self.dp_world, token_group=self.token_group, seed=t.seed,
+        )
 
     def _loader(self, dataset: str, path: str | None, split: str, infinite: bool):
         t = self.cfg.training
@@ -242,25 +260,26 @@ class Trainer:
             dataset=dataset,
             dataset_path=str(resolve_path(path)) if path else None,
             seq_len=t.seq_len,
-            batch_size=t.local_batch_size,
-            global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world,
-            token_group=self.token_group,
             split=split,
-            seed=t.seed,
             infinite=infinite,
+            **self._batch_split(),
         )
 
-    def _build_validator(self) -> Validator:
+    def _build_validator(self) -> Validator | MixtureValidator:
         v, t = self.cfg.validation, self.cfg.training
+        if self.mixture and v.dataset is None:  # each source's held-out split
+            return MixtureValidator(
+                {s.name: (s.weight, self._validator(s.dataset, s.path, "validation")) for s in self.mixture}
+            )
         dataset = v.dataset or t.dataset
         path = v.dataset_path or (t.dataset_path if v.dataset is None else None)
         # A separate validation dataset is read whole; the training dataset gives its held-out split.
-        split = "validation" if v.dataset is None else "train"
+        return self._validator(dataset, path, "validation" if v.dataset is None else "train")
+
+    def _validator(self, dataset: str, path: str | None, split: str) -> Validator:
         return Validator(
             self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split, infinite=False),
-            v.steps, self.device,
+            self.cfg.validation.steps, self.device,
         )
 
     def _build_observability(self) -> None:
@@ -416,7 +435,7 @@ class Trainer:
             # every block, minutes of silence on a CPU without this line.
             logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0 and stop_reason is None:
-            self.metrics.log({"step": 0, "val_loss": self.validator.evaluate()})
+            self.metrics.log({"step": 0, **self.validator.record()})
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
@@ -472,13 +491,15 @@ class Trainer:
         is_log = is_log_step(self.step, t.steps, self.cfg.metrics.log_freq, stop_reason is not None)
         is_val = self.validator is not None and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps)
         if is_log or is_val:
-            record = {"step": self.step, **stats, **self.logged_metrics(), **window.record()}
+            record = {
+                "step": self.step, **stats, **self.train_loader.metrics(), **self.logged_metrics(), **window.record()
+            }
             record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
             record.update(self.breakdown.window_record())
             if not math.isfinite(stats["loss"]):
                 logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
             if is_val:
-                record["val_loss"] = self.validator.evaluate()
+                record.update(self.validator.record())
             self.metrics.log(record)
         return stop_reason
 

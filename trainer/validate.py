@@ -3,7 +3,8 @@
 Every validation pass rebuilds the loader from the start of the split, so each pass
 scores exactly the same batches and the values are comparable across steps. The loader reads
 global batches (trainer/data/datasets.py), so every layout scores the same held-out windows, and
-the loss is the sum of their token losses over the sum of their tokens, across all ranks.
+the loss is the sum of their token losses over the sum of their tokens, across all ranks. A
+mixture (``training.dataset_mix``) is validated source by source (``MixtureValidator``).
 """
 
 from __future__ import annotations
@@ -69,3 +70,22 @@ class Validator:
                 "training.seq_len, more validation data, or disable validation with --no-validation.enable"
             )
         return loss_sum / n_tokens
+
+    def record(self) -> dict[str, float]:
+        """The metrics of one validation pass: ``val_loss``."""
+        return {"val_loss": self.evaluate()}
+
+
+class MixtureValidator:
+    """Validation of a mixture: each source's held-out split scored by its own ``Validator``
+    (``val_loss/<name>``), and ``val_loss`` their mean weighted as the mixture draws the sources,
+    the expected loss of a window of the mixture."""
+
+    def __init__(self, validators: dict[str, tuple[float, Validator]]):
+        self.validators = validators
+
+    def record(self) -> dict[str, float]:
+        losses = {name: validator.evaluate() for name, (_, validator) in self.validators.items()}
+        total_weight = sum(weight for weight, _ in self.validators.values())
+        mean = sum(weight * losses[name] for name, (weight, _) in self.validators.items()) / total_weight
+        return {"val_loss": mean, **{f"val_loss/{name}": loss for name, loss in losses.items()}}

@@ -33,11 +33,13 @@ def combination_problems(cfg: Any) -> list[str]:
             f"training.dataset = {t.dataset!r} reads local files: set --training.dataset_path "
             f"(a file, a glob or a directory)."
         )
-    if v.enable and v.dataset is None and v.dataset_path and t.dataset == BUNDLED_DATASET:
+    if v.enable and v.dataset is None and v.dataset_path and (t.dataset == BUNDLED_DATASET or t.dataset_mix):
+        training_data = (
+            "each source of training.dataset_mix" if t.dataset_mix else f"the training dataset {BUNDLED_DATASET!r}"
+        )
         problems.append(
-            f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses the training dataset "
-            f"{BUNDLED_DATASET!r}; add --validation.dataset json (or text, parquet, auto), or drop "
-            "--validation.dataset_path."
+            f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses {training_data}; "
+            "add --validation.dataset json (or text, parquet, auto), or drop --validation.dataset_path."
         )
     if v.enable and v.dataset == BUNDLED_DATASET and v.dataset_path:
         problems.append(

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import tomli_w
 
-from trainer.config.combinations import combination_problems, combination_warnings
+from trainer.config.combinations import BUNDLED_DATASET, combination_problems, combination_warnings
+from trainer.config.data_mix import mixture_problems
 from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.layout import degree_problems
 from trainer.config.pipeline_layout import PPSchedule
@@ -128,6 +129,10 @@ class Training(Section):
     )
     dataset: str = option("shakespeare", "Training dataset name")
     dataset_path: str | None = option(None, "Local path or HF hub id of the dataset; none = the dataset's default")
+    dataset_mix: list[str] = option(
+        [], "Weighted mixture of datasets instead of training.dataset: entries 'WEIGHT DATASET [PATH]' "
+        "(docs/data.md); empty = training.dataset alone"
+    )
     seed: int = option(42, "Random seed for weights and data order")
     deterministic: bool = option(False, "Use deterministic algorithms (slower)")
     compile: bool = option(False, "Apply torch.compile to the model blocks")
@@ -159,7 +164,12 @@ class Training(Section):
 
     def problems(self) -> list[str]:
         gbs, lbs = self.global_batch_size, self.local_batch_size
-        return failed_checks(
+        return mixture_problems(self.dataset_mix) + failed_checks(
+            (
+                not self.dataset_mix or (self.dataset == BUNDLED_DATASET and self.dataset_path is None),
+                f"training.dataset_mix replaces training.dataset = {self.dataset!r} / training.dataset_path = "
+                f"{self.dataset_path!r}; add that dataset to the mixture as an entry, or drop --training.dataset_mix.",
+            ),
             *(
                 (getattr(self, key) > 0, f"training.{key} must be a positive integer, got {getattr(self, key)}.")
                 for key in ("steps", "seq_len", "local_batch_size", "gc_freq")
