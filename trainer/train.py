@@ -43,6 +43,7 @@ from trainer.distributed import (
     local_rank_from_env,
     set_collective_timeout,
 )
+from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import previous_attempt_failure, record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
@@ -214,7 +215,10 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
+        # The parameter EMA comes first: it reads the weights before any hook writes them (trainer/ema.py).
+        self.ema = ParameterEMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.enable else None
         self.step_hooks: list[StepHook] = [
+            *([self.ema] if self.ema is not None else []),
             ExpertBiasUpdater(self.model, self.parallel.global_sum, self.parallel_dims.mesh_or_none("pp")),
             *optimizer_hooks,
         ]
@@ -260,7 +264,7 @@ class Trainer:
         split = "validation" if v.dataset is None else "train"
         return Validator(
             self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split, infinite=False),
-            v.steps, self.device,
+            v.steps, self.device, self.ema if self.cfg.ema.validate else None,
         )
 
     def _build_observability(self) -> None:
@@ -301,7 +305,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled, ema=self.ema,
         )
 
     def _data_shape(self) -> dict[str, int]:
@@ -416,7 +420,7 @@ class Trainer:
             # every block, minutes of silence on a CPU without this line.
             logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0 and stop_reason is None:
-            self.metrics.log({"step": 0, "val_loss": self.validator.evaluate()})
+            self.metrics.log({"step": 0, **self.validator.scores()})
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
@@ -478,12 +482,14 @@ class Trainer:
             if not math.isfinite(stats["loss"]):
                 logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
             if is_val:
-                record["val_loss"] = self.validator.evaluate()
+                record.update(self.validator.scores())
             self.metrics.log(record)
         return stop_reason
 
     def close(self) -> None:
         self.checkpointer.close()
+        if self.ema is not None:
+            self.ema.close()
         self.metrics.close()
         destroy_distributed()
 
