@@ -164,10 +164,13 @@ class ParameterEMA(StepHook):
                 raise KeyError(f"ema: parameter {name} is not in the model's state dict")
             if isinstance(like, DTensor):
                 if like.to_local().shape != avg.shape:
-                    raise ValueError(f"ema: {name} is saved as a shard of {tuple(like.to_local().shape)}, "
-                                     f"its average holds {tuple(avg.shape)}")
-                avg = DTensor.from_local(avg, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                         stride=like.stride())
+                    raise ValueError(
+                        f"ema: {name} is saved as a shard of {tuple(like.to_local().shape)}, "
+                        f"its average holds {tuple(avg.shape)}"
+                    )
+                avg = DTensor.from_local(
+                    avg, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+                )
             out[name] = avg
         return out
 

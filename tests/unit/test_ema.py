@@ -109,3 +109,23 @@ def test_settings_without_their_switch_are_warned_about():
     assert "ema.decay = 0.99 is ignored: ema.enable is false." in load_config(["--ema.decay", "0.99"]).warnings()
     cfg = load_config(["--ema.enable", "--ema.validate", "--no-validation.enable"])
     assert "ema.validate = true is ignored: validation.enable is false." in cfg.warnings()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path (side-stream copy, worker lerp) needs CUDA")
+def test_gpu_path_gives_the_cpu_lerp_bitwise():
+    net = model().cuda()
+    ema = ParameterEMA(net, 0.9, 1)
+    assert all(a.is_pinned() and b.is_pinned() for a, b in zip(ema.averages, ema.staging))
+    ref = [p.detach().cpu() for p in net.parameters()]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(1, 6):
+        ema.before_forward(step)  # the copy of step - 1's weights is in flight ...
+        ema.before_optimizer(False)  # ... and the weights' next write waits for it on the device
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=gen).cuda())
+        ema.after_optimizer(stepped=True)
+        ref = [torch.lerp(r, p.detach().cpu(), 0.1) for r, p in zip(ref, net.parameters())]
+    ema.flush()
+    assert all(torch.equal(a, r) for a, r in zip(ema.averages, ref))
+    ema.close()
