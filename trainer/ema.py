@@ -33,7 +33,6 @@ a run and its resumed continuation hold bit-identical averages (tests/unit/test_
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,8 +43,6 @@ from torch.distributed.tensor import DTensor
 from trainer.distributed import local_tensor
 from trainer.parallel.weight_init import global_name
 from trainer.step_hooks import StepHook
-
-logger = logging.getLogger("trainer")
 
 
 class ParameterEMA(StepHook):
@@ -63,10 +60,9 @@ class ParameterEMA(StepHook):
         named = list(model.named_parameters())
         self.names = [global_name(name) for name, _ in named]
         self.params = [p for _, p in named]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.cuda = device.type == "cuda"
-        # Pinned pages make the device-to-host copies asynchronous; only a GPU run copies.
-        pin = self.cuda and torch.cuda.is_available()
+        device = self.params[0].device
+        # Only a GPU run copies, and pinned pages make its device-to-host copies asynchronous.
+        self.cuda = pin = device.type == "cuda" and torch.cuda.is_available()
         self.averages = [self._host_buffer(p, pin) for p in self.params]
         self.staging = [self._host_buffer(p, pin) for p in self.params] if self.cuda else []
         self.stream = torch.cuda.Stream(device) if self.cuda else None
