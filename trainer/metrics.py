@@ -76,6 +76,7 @@ def device_description(device: torch.device) -> str:
 _LINE_FIELDS = (
     ("loss", "loss {:.4f}"),
     ("val_loss", "val_loss {:.4f}"),
+    ("val_loss_ema", "ema {:.4f}"),
     ("grad_norm", "gnorm {:.3f}"),
     ("lr", "lr {:.2e}"),
     ("tokens_per_sec", "tok/s {:,.0f}"),

@@ -81,5 +81,6 @@ def active_features(cfg, world_size: int) -> list[str]:
         (cfg.optimizer.qk_clip, "QK-clip"),
         (cfg.quantize.float8, "float8 matmuls" + (" (emulated)" if cfg.quantize.emulate else "")),
         (cfg.engram.enable, "Engram" + (" (optimizer state in CPU memory)" if cfg.engram.offload_optimizer_state else "")),
+        (cfg.ema.enable, f"parameter EMA in CPU memory (decay {cfg.ema.decay}, every {cfg.ema.update_every} steps)"),
     ]
     return [name for on, name in features if on]

@@ -46,6 +46,7 @@ from trainer.distributed import (
     local_rank_from_env,
     set_collective_timeout,
 )
+from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import previous_attempt_failure, record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
@@ -217,7 +218,10 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
+        # The parameter EMA comes first: it reads the weights before any hook writes them (trainer/ema.py).
+        self.ema = ParameterEMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.enable else None
         self.step_hooks: list[StepHook] = [
+            *([self.ema] if self.ema is not None else []),
             ExpertBiasUpdater(self.model, self.parallel.global_sum, self.parallel_dims.mesh_or_none("pp")),
             *optimizer_hooks,
         ]
@@ -279,7 +283,7 @@ class Trainer:
     def _validator(self, dataset: str, path: str | None, split: str) -> Validator:
         return Validator(
             self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split, infinite=False),
-            self.cfg.validation.steps, self.device,
+            self.cfg.validation.steps, self.device, self.ema if self.cfg.ema.validate else None,
         )
 
     def _build_observability(self) -> None:
@@ -320,7 +324,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled, ema=self.ema,
         )
 
     def _data_shape(self) -> dict[str, int]:
@@ -505,6 +509,8 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if self.ema is not None:
+            self.ema.close()
         self.metrics.close()
         destroy_distributed()
 

@@ -1,5 +1,9 @@
 """Validation loss on the held-out split.
 
+`scores` gives the run's validation figures: ``val_loss``, and with ``ema.validate`` also
+``val_loss_ema``, the same batches scored with the parameter EMA's weights swapped in
+(`trainer.ema.ParameterEMA.swapped_in`; the training weights come back bit for bit).
+
 Every validation pass rebuilds the loader from the start of the split, so each pass
 scores exactly the same batches and the values are comparable across steps. The loader reads
 global batches (trainer/data/datasets.py), so every layout scores the same held-out windows, and
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.ema import ParameterEMA
 from trainer.parallel import ParallelStep
 
 
@@ -29,6 +34,7 @@ class Validator:
         build_loader: Callable[[], object],
         max_batches: int,
         device: torch.device,
+        ema: ParameterEMA | None = None,
     ):
         """Scores ``model`` (the run's, as ``parallelize_model`` laid it out) through its step
         object: ``step.eval_loss_sum(inputs, labels, autocast)`` runs one micro-batch in the run's
@@ -37,13 +43,14 @@ class Validator:
         over the ranks. ``build_loader()`` gives this rank's finite loader of the split, whose
         ``accum_steps`` micro-batches make one global batch; a pass scores the first
         ``max_batches`` global batches. Every rank walks the same global stream, so all of them
-        run the same number of micro-batches."""
+        run the same number of micro-batches. ``ema``: also score its averaged weights (`scores`)."""
         self.model = model
         self.step = step
         self.autocast = autocast
         self.build_loader = build_loader
         self.max_batches = max_batches
         self.device = device
+        self.ema = ema
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -72,8 +79,13 @@ class Validator:
         return loss_sum / n_tokens
 
     def record(self) -> dict[str, float]:
-        """The metrics of one validation pass: ``val_loss``."""
-        return {"val_loss": self.evaluate()}
+        """The metrics of one validation pass: ``val_loss``, and ``val_loss_ema`` with the averaged
+        weights when there is an ``ema``."""
+        scores = {"val_loss": self.evaluate()}
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                scores["val_loss_ema"] = self.evaluate()
+        return scores
 
 
 class MixtureValidator:
@@ -85,7 +97,10 @@ class MixtureValidator:
         self.validators = validators
 
     def record(self) -> dict[str, float]:
-        losses = {name: validator.evaluate() for name, (_, validator) in self.validators.items()}
+        records = {name: validator.record() for name, (_, validator) in self.validators.items()}
         total_weight = sum(weight for weight, _ in self.validators.values())
-        mean = sum(weight * losses[name] for name, (weight, _) in self.validators.items()) / total_weight
-        return {"val_loss": mean, **{f"val_loss/{name}": loss for name, loss in losses.items()}}
+        out = {}
+        for key in next(iter(records.values())):  # val_loss, and val_loss_ema with an EMA
+            out[key] = sum(weight * records[name][key] for name, (weight, _) in self.validators.items()) / total_weight
+            out.update({f"{key}/{name}": record[key] for name, record in records.items()})
+        return out

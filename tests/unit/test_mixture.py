@@ -151,13 +151,22 @@ def test_streaming_bundled_source_resumes_and_a_changed_mixture_loads(tok, entri
 def test_validation_per_source_and_weighted_mean():
     class Fixed(Validator):
         def __init__(self, loss):
-            self.loss = loss
+            self.loss, self.ema = loss, None
 
         def evaluate(self):
             return self.loss
 
     record = MixtureValidator({"a": (0.5, Fixed(2.0)), "b": (0.3, Fixed(3.0)), "c": (0.2, Fixed(5.0))}).record()
     assert record == pytest.approx({"val_loss": 2.9, "val_loss/a": 2.0, "val_loss/b": 3.0, "val_loss/c": 5.0})
+
+    class WithEMA(Fixed):  # ema.validate: each source also scored with the averaged weights
+        def record(self):
+            return {"val_loss": self.loss, "val_loss_ema": self.loss - 1}
+
+    record = MixtureValidator({"a": (0.75, WithEMA(2.0)), "b": (0.25, WithEMA(6.0))}).record()
+    assert record == pytest.approx(
+        {"val_loss": 3.0, "val_loss/a": 2.0, "val_loss/b": 6.0, "val_loss_ema": 2.0, "val_loss_ema/a": 1.0, "val_loss_ema/b": 5.0}
+    )
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,7 @@ _GATES = (
         ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype"),
     ),
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
+    ("ema.enable", lambda c: not c.ema.enable, None),
     (
         "parallelism.pp", lambda c: c.parallelism.pp == 1,
         tuple(f.name for f in dataclasses.fields(PipelinePlan) if f.name != "pp"),
@@ -169,6 +170,8 @@ def combination_warnings(cfg: Any) -> list[str]:
             f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is more than training.steps = {t.steps}: "
             "the learning rate never reaches optimizer.lr; lower --lr_scheduler.warmup_steps."
         )
+    if cfg.ema.enable and cfg.ema.validate and not cfg.validation.enable:
+        warnings.append("ema.validate = true is ignored: validation.enable is false.")
     if t.time_limit_minutes > 0 and not cfg.checkpoint.enable:
         warnings.append(
             "training.time_limit_minutes stops the run without saving it: checkpoint.enable is false; "

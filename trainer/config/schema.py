@@ -346,6 +346,22 @@ class Checkpoint(Section):
         )
 
 
+@dataclass
+class Ema(Section):
+    enable: bool = option(
+        False, "Keep an exponential moving average of the weights in CPU memory (DeepSeek-V3; docs/checkpoints.md)"
+    )
+    decay: float = option(0.999, "Weight of the old average at each update, in (0, 1)")
+    update_every: int = option(1, "Update the average every N steps (it then spans about N / (1 - decay) steps)")
+    validate: bool = option(False, "Also score the validation split with the averaged weights (val_loss_ema)")
+
+    def problems(self) -> list[str]:
+        return failed_checks(
+            (0.0 < self.decay < 1.0, f"ema.decay must be in (0, 1), e.g. 0.999, got {self.decay}."),
+            (self.update_every >= 1, f"ema.update_every must be >= 1, got {self.update_every}."),
+        )
+
+
 ReshardPolicy = Literal["default", "always", "never"]
 
 
@@ -504,6 +520,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    ema: Ema = field(default_factory=Ema)
     parallelism: Parallelism = field(default_factory=Parallelism)
     comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
