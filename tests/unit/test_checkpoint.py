@@ -494,3 +494,15 @@ def test_nonfinite_guard_counts_and_stops():
     with pytest.raises(TrainingDiverged, match="2 consecutive"):
         guard.should_skip(5, math.nan, math.nan)
     assert guard.state_dict() == {"skipped_total": 3}
+
+
+@pytest.mark.parametrize("saved_mixture", [True, False])
+def test_a_resume_across_one_dataset_and_a_mixture_is_refused_by_name(tmp_path, saved_mixture):
+    from trainer.checkpoint.errors import CheckpointError
+    from trainer.checkpoint.manager import _check_data_source_kind
+
+    key = "rank_state_0.dataloader." + ("mixture" if saved_mixture else "index")
+    shapes = {key: (), "model.w": (2, 2)}
+    _check_data_source_kind(tmp_path, saved_mixture, shapes)  # the same kind: nothing to say
+    with pytest.raises(CheckpointError, match="the data position does not carry over.*initial_load_path"):
+        _check_data_source_kind(tmp_path, not saved_mixture, shapes)

@@ -431,6 +431,7 @@ class CheckpointManager:
         rank_key = self._rank_key()
         own = state.pop(rank_key)
         saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := RANK_STATE.match(k))})
+        _check_data_source_kind(info.path, "mixture" in own["dataloader"], shapes)
         world = global_world_size()
         if read_marker(info.path).get("world_size", world) == world:
             candidates = [self.rank] if self.rank in saved_ranks else []
@@ -528,3 +529,18 @@ class CheckpointManager:
         logger.info(
             "initial weights loaded from %s (%s) in %.2fs", path, cfg.initial_load_format, time.perf_counter() - start
         )
+
+
+def _check_data_source_kind(path: Path, reads_mixture: bool, shapes: dict) -> None:
+    """A one-dataset run's data position (a stream index) and a mixture's (one per source) do not
+    translate: say so, instead of DCP's missing key, which the resume would take for damage."""
+    saved = [k for k in shapes if RANK_STATE.match(k) and ".dataloader." in k]
+    saved_mixture = any(".dataloader.mixture" in k for k in saved)
+    if saved and saved_mixture != reads_mixture:
+        was, now = ("a mixture", "one dataset") if saved_mixture else ("one dataset", "a mixture (training.dataset_mix)")
+        raise CheckpointError(
+            f"{path} was saved by a run reading {was} and this run reads {now}: the data position does not "
+            "carry over. Resume with the data settings it was saved with, or start the new data from its weights "
+            f"in a new run folder with --checkpoint.initial_load_path {path}"
+        )
+
