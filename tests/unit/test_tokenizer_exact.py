@@ -149,3 +149,15 @@ def test_deepseek_v3_ids_and_specials(load):
     assert parsed.encode(doc, bos=True, eos=True) == [0, *tok.encode("Hi<｜User｜>x"), 1]
     assert parsed.encode(f"a{EOS}b", bos=True, eos=True) == [0, *tok.encode("a"), 1, *tok.encode("b"), 1]
     assert parsed.encode_batch(["", EOS], bos=True, eos=True) == [[0, 1], [0, 1]]
+
+
+def test_the_tokenizer_must_fit_the_flavor_embedding(load):
+    from trainer.config import ConfigError, load_config
+    from trainer.model_args import build_model_args
+
+    tok = load("deepseek-v3")[0]
+    argv = ["--model.tokenizer_path", "v3/tokenizer.json", "--model.flavor"]
+    # The model keeps V3's 129,280 rows (the released checkpoint's), not the 128,815 ids used.
+    assert build_model_args(load_config([*argv, "671B"]), tok.vocab_size, tok.eos_id).vocab_size == 129280
+    with pytest.raises(ConfigError, match=r"v3/tokenizer.json has 128815 ids but flavor '16B' embeds 102400"):
+        build_model_args(load_config([*argv, "16B"]), tok.vocab_size, tok.eos_id)
