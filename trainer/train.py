@@ -198,7 +198,8 @@ class Trainer:
         materialize(model, self.device, self.cfg.training.seed)
 
     def _build_tokenizer(self):
-        return build_tokenizer(resolve_path(self.cfg.model.tokenizer_path))
+        m = self.cfg.model
+        return build_tokenizer(resolve_path(m.tokenizer_path), parse_special_tokens=m.parse_special_tokens)
 
     def _check_memory_fit(self, available_memory: int | None) -> None:
         check_fits(self.cfg, self.model_args, self.parallel_dims, self.device, available_memory)

@@ -45,7 +45,14 @@ class Job(Section):
 class Model(Section):
     name: Literal["deepseek_v3"] = option("deepseek_v3", "Model family")
     flavor: str = option("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
-    tokenizer_path: str = option("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
+    tokenizer_path: str = option(
+        "assets/tokenizer/shakespeare.tiktoken",
+        "The tokenizer: a .tiktoken file, a Hugging Face tokenizer.json, or a directory holding one (docs/tokenizer.md)",
+    )
+    parse_special_tokens: bool = option(
+        False, "Special-token strings inside documents become their ids (chat-formatted data; a document's own "
+        "BOS/EOS are not doubled); false: they are encoded as plain text"
+    )
     attn_backend: Literal["sdpa", "flex"] = option("sdpa", "Attention kernel")
     attn_mask_type: Literal["causal", "block_causal"] = option(
         "causal",
