@@ -285,9 +285,11 @@ def _estimate_share(
     # A tied head is the embedding: counted once where both are held.
     n_vocab_mats = (1 if a.tie_embeddings and embed and head else int(embed) + int(head))
     embed_head = n_vocab_mats * a.vocab_size * a.dim
-    total_model = sum(
-        sum(by_kind[i >= a.n_dense_layers].values()) for i in range(a.n_layers + a.mtp_depth)
-    ) + (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim + a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
+    n_blocks = a.n_layers + a.mtp_depth
+    dense_blocks = min(a.n_dense_layers, n_blocks)  # integer counts: the same sum in any order
+    total_model = sum(by_kind[False].values()) * dense_blocks + sum(by_kind[True].values()) * (n_blocks - dense_blocks)
+    total_model += (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim
+    total_model += a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
 
     split = sum(b["tp_split"] for b in blocks) + embed_head + n_mtp * 2 * a.dim * a.dim
     repl = sum(b["tp_replicated"] for b in blocks) + (a.dim if head else 0) + n_mtp * 3 * a.dim

@@ -138,7 +138,8 @@ def test_convert_hf_reports_its_shards_on_stderr_and_leaves_stdout_alone(tmp_pat
     for name, every in (("quiet", float("inf")), ("chatty", 0.0)):
         monkeypatch.setattr(trainer.progress, "PLAIN_EVERY_S", every)
         hf, back = tmp_path / f"hf_{name}", tmp_path / f"dcp_{name}"
-        assert convert_hf.main(["export", str(tmp_path / "dcp"), str(hf), "--max-shard-gb", str(64 * 1024 / 1024**3)]) == 0
+        shard_gb = str(64 * 1024 / 1024**3)
+        assert convert_hf.main(["export", str(tmp_path / "dcp"), str(hf), "--max-shard-gb", shard_gb]) == 0
         assert convert_hf.main(["import", str(hf), str(back)]) == 0
         runs[name] = capsys.readouterr()
     quiet, chatty = runs["quiet"], runs["chatty"]
