@@ -219,17 +219,23 @@ def estimate(
     if local_batch_size % micro:
         raise ValueError(f"pp_microbatches={micro} must divide local_batch_size={local_batch_size}")
     specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
-    ranks = []
+    ranks, shares = [], {}
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
-        ranks.append(_estimate_share(
-            a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // micro, _in_flight(plan, rank), pipelined=True, zero_bubble=plan.zero_bubble,
-            stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine],
-            stage_io=(sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine)),
-            micro=micro, **share,
-        ))
+        layers, in_flight = [i for s in mine for i in s.layers], _in_flight(plan, rank)
+        stage_blocks = [len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine]
+        stage_io = (sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine))
+        # `_estimate_share` reads the blocks by kind only: ranks with the same kinds, ends, stages and
+        # in-flight count (a zero-bubble or V schedule's middle ranks) share one estimate.
+        key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io)
+        if key not in shares:
+            shares[key] = _estimate_share(
+                a, layers, first or (last and a.mtp_depth > 0), last, last, local_batch_size // micro, in_flight,
+                pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
+                micro=micro, **share,
+            )
+        ranks.append(shares[key])
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
     return {
