@@ -22,8 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT = ["--flavor", "671B", "--gpus", "2048", "--gpu-memory", "80", "--gpus-per-node", "8", "--seq-len", "4096",
-           "--global-batch", "4096"]
+DEFAULT = [
+    "--flavor",
+    "671B",
+    "--gpus",
+    "2048",
+    "--gpu-memory",
+    "80",
+    "--gpus-per-node",
+    "8",
+    "--seq-len",
+    "4096",
+    "--global-batch",
+    "4096",
+]
 
 
 def main() -> int:
@@ -35,16 +47,24 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": a.repo}
     load_before = os.getloadavg()[0]
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(Path(a.repo) / "scripts" / "plan_layout.py"), *argv], env=env,
-                          cwd=a.repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    done = subprocess.run(
+        [sys.executable, str(Path(a.repo) / "scripts" / "plan_layout.py"), *argv],
+        env=env,
+        cwd=a.repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     wall = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         print(f"error: the planner exited with {done.returncode}", file=sys.stderr)
         return done.returncode
     print(done.stdout.splitlines()[0])
-    print(f"wall {wall:.1f} s, CPU user {usage.ru_utime:.1f} s + system {usage.ru_stime:.1f} s, "
-          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    print(
+        f"wall {wall:.1f} s, CPU user {usage.ru_utime:.1f} s + system {usage.ru_stime:.1f} s, "
+        f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
+    )
     return 0
 
 
