@@ -10,6 +10,9 @@
     # its parameter EMA (a run with --ema.enable) instead of the trained weights
     python scripts/convert_hf.py export outputs/run/checkpoint/step-1000 outputs/hf_ema --ema
 
+Progress goes to stderr (trainer/progress.py: the shard files read or written of the total, and
+the tensors so far); stdout keeps the one result line.
+
 `--max-seq-len` only shortens the rope table: YaRN and the softmax scale stay those of the
 config's `rope_scaling` (the released weights compute the same function at any length).
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +45,7 @@ from trainer.checkpoint import (
     resolve_checkpoint_path,
     save_model_checkpoint,
 )
+from trainer.progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +53,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32", **arg_overrides) -> Path:
     """HF folder -> model-only DCP checkpoint at `out_dir`."""
     args = args_from_hf_config(read_hf_config(hf_dir), **arg_overrides)
-    native = DeepSeekV3StateDictAdapter(args).from_hf(read_hf_state_dict(hf_dir, dtype=DTYPES[dtype]))
+    hf = read_hf_state_dict(hf_dir, dtype=DTYPES[dtype], progress=partial(Progress, "convert_hf: shards read"))
+    native = DeepSeekV3StateDictAdapter(args).from_hf(hf)
     return save_model_checkpoint(native, out_dir, args)
 
 
@@ -64,7 +70,7 @@ def export_hf(
     hf = DeepSeekV3StateDictAdapter(args).to_hf(native)
     return write_hf_checkpoint(
         hf, out_dir, config=to_hf_config(args), max_shard_bytes=int(max_shard_gb * 1024**3),
-        dtype=DTYPES[dtype] if dtype else None,
+        dtype=DTYPES[dtype] if dtype else None, progress=partial(Progress, "convert_hf: shards written"),
     )
 
 

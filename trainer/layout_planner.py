@@ -125,15 +125,29 @@ def _split_string(args, pipeline: PipelinePlan, costs: PipelineCosts) -> str:
     return "|".join(["E" + parts[0], *parts[1:-1], parts[-1] + "L"] if len(parts) > 1 else ["E" + parts[0] + "L"])
 
 
+def _states_gib(est: dict) -> float:
+    """A lower bound of ``est``'s total: what its fullest rank holds whatever the batch (parameters,
+    optimizer states and gradients; trainer/memory.py adds only terms >= 0 to them)."""
+    g = est["gib"]
+    return g["params"] + g["optimizer"] + g["grads"]
+
+
 def plan_layouts(
     flavor: str, gpus: int, gpu_memory_gib: float, gpus_per_node: int, seq_len: int, global_batch: int,
-    hardware: Hardware,
+    hardware: Hardware, prune: bool = True,
 ) -> tuple[list[Ranked], int]:
-    """The layouts that fit, fastest first, and how many valid layouts were considered."""
+    """The layouts that fit, fastest first, and how many valid layouts were considered.
+
+    ``prune``: skip the estimate of a layout whose states alone cannot fit. The layouts of one set of
+    degrees and one pipeline split (differing in the batch rows, the micro-batches and activation
+    checkpointing) hold the same parameters, optimizer states and gradients on every rank, so the
+    fullest rank's of one of them (``_states_gib``) bounds them all from below. Exact: the ranking
+    is the unpruned one (tests/unit/test_layout_planner.py)."""
     args = get_flavor(flavor)
     costs = PipelineCosts(**stage_unit_costs(args, seq_len))
     figures = ModelFigures.of(args, seq_len)
     splits: dict[tuple, str] = {}
+    states: dict[tuple, float] = {}  # per (degrees, pipeline split): the lower bound above
     ranked, considered = [], 0
     phase(f"plan: listing the layouts of {flavor} on {gpus} GPUs ...")
     plans = list(candidates(flavor, gpus, gpus_per_node, seq_len, global_batch))
@@ -147,8 +161,14 @@ def plan_layouts(
             if key not in splits:
                 splits[key] = _split_string(args, pipe, costs)
             pipe = dataclasses.replace(pipe, pp_layout=splits[key])
-        memory = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                          stage_costs=costs, pipeline=pipe, ep_as_cp=plan.ep_as_cp)["gib"]["total"]
+        group = (plan.dp_shard, plan.ep, plan.tp, plan.cp, plan.ep_as_cp, pipe.pp, pipe.pp_schedule,
+                 pipe.pp_stages_per_rank)
+        if prune and states.get(group, 0.0) + RESERVE_GIB > gpu_memory_gib:
+            continue
+        est = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
+                       stage_costs=costs, pipeline=pipe, ep_as_cp=plan.ep_as_cp)
+        states.setdefault(group, _states_gib(est))
+        memory = est["gib"]["total"]
         if memory + RESERVE_GIB > gpu_memory_gib:
             continue
         ranked.append(Ranked(plan, memory, step_time(args, plan, hardware, figures)))

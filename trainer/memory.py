@@ -219,17 +219,23 @@ def estimate(
     if local_batch_size % micro:
         raise ValueError(f"pp_microbatches={micro} must divide local_batch_size={local_batch_size}")
     specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
-    ranks = []
+    ranks, shares = [], {}
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
-        ranks.append(_estimate_share(
-            a, [i for s in mine for i in s.layers], first or (last and a.mtp_depth > 0), last, last,
-            local_batch_size // micro, _in_flight(plan, rank), pipelined=True, zero_bubble=plan.zero_bubble,
-            stage_blocks=[len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine],
-            stage_io=(sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine)),
-            micro=micro, **share,
-        ))
+        layers, in_flight = [i for s in mine for i in s.layers], _in_flight(plan, rank)
+        stage_blocks = [len(s.layers) + (a.mtp_depth if s.last else 0) for s in mine]
+        stage_io = (sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine))
+        # `_estimate_share` reads the blocks by kind only: ranks with the same kinds, ends, stages and
+        # in-flight count (a zero-bubble or V schedule's middle ranks) share one estimate.
+        key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io)
+        if key not in shares:
+            shares[key] = _estimate_share(
+                a, layers, first or (last and a.mtp_depth > 0), last, last, local_batch_size // micro, in_flight,
+                pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
+                micro=micro, **share,
+            )
+        ranks.append(shares[key])
     worst = max(ranks, key=lambda r: r["gib"]["total"])
     layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
     return {
@@ -278,13 +284,18 @@ def _estimate_share(
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
     kinds = [i >= a.n_dense_layers for i in layers] + [True] * n_mtp
-    blocks = [_block_params(a, moe=k) for k in kinds]
+    # A block's figures depend only on its kind (dense or MoE): computed once per kind and looked up
+    # per block (the layout planner estimates tens of thousands of layouts), summed in the same order.
+    by_kind = {moe: _block_params(a, moe=moe) for moe in (False, True)}
+    blocks = [by_kind[k] for k in kinds]
     # A tied head is the embedding: counted once where both are held.
     n_vocab_mats = (1 if a.tie_embeddings and embed and head else int(embed) + int(head))
     embed_head = n_vocab_mats * a.vocab_size * a.dim
-    total_model = sum(
-        sum(b.values()) for b in (_block_params(a, moe=i >= a.n_dense_layers) for i in range(a.n_layers + a.mtp_depth))
-    ) + (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim + a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
+    n_blocks = a.n_layers + a.mtp_depth
+    dense_blocks = min(a.n_dense_layers, n_blocks)  # integer counts: the same sum in any order
+    total_model = sum(by_kind[False].values()) * dense_blocks + sum(by_kind[True].values()) * (n_blocks - dense_blocks)
+    total_model += (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim
+    total_model += a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
 
     split = sum(b["tp_split"] for b in blocks) + embed_head + n_mtp * 2 * a.dim * a.dim
     repl = sum(b["tp_replicated"] for b in blocks) + (a.dim if head else 0) + n_mtp * 3 * a.dim
@@ -317,10 +328,11 @@ def _estimate_share(
 
     tokens = rows * seq_len / cp  # local tokens per micro-batch
     fp32_norms = device_type == "cpu" and act_bytes < 4
-    per_layer = [
-        _layer_activation_bytes(a, moe=k, tp=tp, cp=cp, act_bytes=act_bytes, fp32_norms=fp32_norms) * tokens
-        for k in kinds
-    ]
+    layer_bytes = {
+        moe: _layer_activation_bytes(a, moe=moe, tp=tp, cp=cp, act_bytes=act_bytes, fp32_norms=fp32_norms) * tokens
+        for moe in set(kinds)
+    }
+    per_layer = [layer_bytes[k] for k in kinds]
     if ac == "full":
         act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
         if zero_bubble:
@@ -352,13 +364,16 @@ def _estimate_share(
     rounding = 0.0
     if cuda:
         scale = local / total  # each tensor's local share, as the layout splits it on average
-        numels = [n for k in kinds for n in _block_tensor_numels(a, k)] + [a.vocab_size * a.dim] * n_vocab_mats
+        numels_of = {moe: _block_tensor_numels(a, moe) for moe in set(kinds)}
+        numels = [n for k in kinds for n in numels_of[k]] + [a.vocab_size * a.dim] * n_vocab_mats
         numels += [a.dim] if head else []
         per_copy = [(4, 4), (2, 1 if copies else 0)]  # (bytes per element, tensors): fp32 param, grad, m, v; bf16 copy
-        rounding = sum(
-            count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes)
-            for n in numels for nbytes, count in per_copy
-        )
+        # Each distinct size's terms once (the blocks repeat a few sizes), added in the order of `numels`.
+        terms = {
+            n: [count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes) for nbytes, count in per_copy]
+            for n in set(numels)
+        }
+        rounding = sum(itertools.chain.from_iterable(map(terms.__getitem__, numels)))
     # Without pipelining, the late backward (the first blocks' backward): nearly every sharded
     # gradient exists while one block's activations, its FSDP buffers and what the whole backward
     # keeps are live. The step keeps the model's output, so every head use's logits, in the compute

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -35,6 +37,18 @@ CONFIG_FILE = "config.json"
 # sigmoid scores to pick the top-k experts, and bf16 would round it (DeepSeek's checkpoints and
 # `transformers`' `_keep_in_fp32_modules_strict` keep it fp32).
 FP32_SUFFIXES = ("e_score_correction_bias",)
+
+
+class ShardProgress(Protocol):
+    """What the readers and writers report their shard files to (trainer/progress.py's `Progress`,
+    which scripts/convert_hf.py passes; models/ does not import the trainer): `update(1, tensors=n)`
+    per shard, `close(tensors=n)` at the end, n the tensors so far."""
+
+    def update(self, n: int = 1, **counts: int) -> None: ...
+
+    def close(self, **counts: int) -> None: ...
+
+
 _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, name)
 )
@@ -86,24 +100,33 @@ def list_safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def read_hf_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def read_hf_state_dict(
+    folder: str | Path, dtype: torch.dtype | None = None, progress: Callable[[int], ShardProgress] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of a (sharded) safetensors checkpoint, HF names, on the CPU.
 
     FP8 weights are dequantised with their `weight_scale_inv` (the scale keys are dropped), to
     `dtype` or fp32. Other floating-point tensors are cast to `dtype` when it is given, except the
     router bias (`FP32_SUFFIXES`), which is read as fp32. The whole
     checkpoint is held in memory: fine up to tens of GB; a 671B import wants a machine with the RAM.
+    `progress(shards)`: a display of the shard files read (`ShardProgress`).
     """
     from safetensors import SafetensorError, safe_open
 
+    files = list_safetensors_files(folder)
+    shown = progress(len(files)) if progress else None
     raw: dict[str, torch.Tensor] = {}
-    for path in list_safetensors_files(folder):
+    for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     raw[key] = f.get_tensor(key)
         except SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+        if shown:
+            shown.update(1, tensors=len(raw))
+    if shown:
+        shown.close(tensors=len(raw))
     out: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
         if key.endswith(SCALE_SUFFIX):
@@ -129,11 +152,13 @@ def write_hf_checkpoint(
     config: dict | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     dtype: torch.dtype | None = None,
+    progress: Callable[[int], ShardProgress] | None = None,
 ) -> list[Path]:
     """Write `model-0000i-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor
     larger than that gets a shard of its own), `model.safetensors.index.json`, and `config.json`
     when `config` is given. Floating-point tensors are cast to `dtype` when it is given, except
-    the router bias (`FP32_SUFFIXES`), which is written fp32."""
+    the router bias (`FP32_SUFFIXES`), which is written fp32. `progress(shards)`: a display of the
+    shard files written (`ShardProgress`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -154,12 +179,17 @@ def write_hf_checkpoint(
         shard_bytes += size
         total += size
     n = len(shards)
+    shown = progress(n) if progress else None
     weight_map, written = {}, []
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in shard})
         written.append(folder / name)
+        if shown:
+            shown.update(1, tensors=len(weight_map))
+    if shown:
+        shown.close(tensors=len(weight_map))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     if config is not None:

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+import trainer.progress  # noqa: E402
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, get_flavor  # noqa: E402
 from models.deepseek_v3.hf_io import (  # noqa: E402
     CONFIG_FILE,
@@ -130,6 +131,32 @@ def test_dcp_hf_round_trip_is_identity(tmp_path, capsys):
     assert convert_hf.main(["export", str(tmp_path / "dcp"), str(tmp_path / "hf_ema"), "--ema"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith("holds no parameter EMA (it was saved without --ema.enable)")
+
+
+def test_convert_hf_reports_its_shards_on_stderr_and_leaves_stdout_alone(tmp_path, capsys, monkeypatch):
+    """Off a terminal (pytest's stderr) trainer/progress.py's plain lines: one per shard with
+    PLAIN_EVERY_S 0, only the final one otherwise; stdout is the one result line either way."""
+    args = tiny_args()
+    save_model_checkpoint(DeepSeekV3Model(args).state_dict(), tmp_path / "dcp", args)
+    runs = {}
+    for name, every in (("quiet", float("inf")), ("chatty", 0.0)):
+        monkeypatch.setattr(trainer.progress, "PLAIN_EVERY_S", every)
+        hf, back = tmp_path / f"hf_{name}", tmp_path / f"dcp_{name}"
+        shard_gb = str(64 * 1024 / 1024**3)
+        assert convert_hf.main(["export", str(tmp_path / "dcp"), str(hf), "--max-shard-gb", shard_gb]) == 0
+        assert convert_hf.main(["import", str(hf), str(back)]) == 0
+        runs[name] = capsys.readouterr()
+    quiet, chatty = runs["quiet"], runs["chatty"]
+    assert quiet.out.replace("quiet", "chatty") == chatty.out and "shards" not in chatty.out
+    shards = len(list((tmp_path / "hf_chatty").glob("*.safetensors")))
+    tensors = len(json.loads((tmp_path / "hf_chatty" / INDEX_FILE).read_text())["weight_map"])
+    assert shards > 1
+    for what in ("written", "read"):
+        lines = [line for line in chatty.err.splitlines() if line.startswith(f"convert_hf: shards {what}: ")]
+        assert len(lines) == shards + 1, chatty.err
+        assert lines[0].startswith(f"convert_hf: shards {what}: 1/{shards} ") and "s left" in lines[0]
+        assert lines[-1].startswith(f"convert_hf: shards {what}: {shards}/{shards} (100%), tensors {tensors}, done in")
+    assert [line.split(":")[1] for line in quiet.err.splitlines()] == [" shards written", " shards read"]
 
 
 def test_pickled_weights_are_never_loaded(tmp_path, capsys):

@@ -110,3 +110,25 @@ def test_ep_as_cp_is_enumerated_and_its_latent_exchange_timed():
     spread = Plan(4, 1, 4, 1, 1, 4, PipelinePlan(), 8, 1, 32, "none", ep_as_cp=True)
     assert flat.dp == 4 and spread.dp == 1 and spread.context == 4
     assert step_time(args, flat, hw)["exposed"]["cp"] == 0 < step_time(args, spread, hw)["exposed"]["cp"]
+
+
+def test_pruning_ranks_exactly_as_estimating_every_layout(monkeypatch):
+    """The planner skips the estimate of layouts whose states alone cannot fit (``prune``): the same
+    layouts, memory figures, step times and order as estimating every one, with fewer estimates.
+    16B on 16 GPUs with 40 GiB, where the HSDP-heavy layouts' states exceed the GPU."""
+    import trainer.layout_planner as planner
+
+    calls = {"estimate": 0}
+    real = planner.estimate
+
+    def counted(*args, **kwargs):
+        calls["estimate"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "estimate", counted)
+    every = plan_layouts("16B", 16, 40.0, 8, 4096, 32, Hardware(), prune=False)
+    estimated = calls["estimate"]
+    pruned = plan_layouts("16B", 16, 40.0, 8, 4096, 32, Hardware())
+    assert estimated == every[1] and calls["estimate"] - estimated < estimated
+    assert 0 < len(pruned[0]) < pruned[1]
+    assert pruned == every
