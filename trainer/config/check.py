@@ -35,6 +35,7 @@ from trainer.config.dump_folder import check_dump_folder
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
+from trainer.config.replica_groups import check_lighthouse, job_world_size
 
 USAGE = (
     "usage: python -m trainer.config.check --world-size N [--restarts N] "
@@ -50,8 +51,10 @@ def check_job(argv: list[str], world_size: int, restarts: int = 0) -> str:
     if cfg.job.dry_run:
         check_model_fit(cfg, Layout.from_job(cfg, cfg.dry_run.world_size))
         return "dry_run"
-    check_model_fit(cfg, Layout.from_job(cfg, world_size))
+    check_model_fit(cfg, Layout.from_job(cfg, job_world_size(cfg, world_size)))
     check_dump_folder(cfg.job.dump_folder)
+    if cfg.fault_tolerance.enable:
+        check_lighthouse(cfg.fault_tolerance)
     check_data_files(cfg)
     check_restarts(cfg, restarts)
     return "train"
