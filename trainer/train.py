@@ -401,7 +401,9 @@ class Trainer:
         self.breakdown.mark("optimizer")
         stats = {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
         if self.cfg.fault_tolerance.enable:
+            # The live groups, and this step's seconds in the quorum and the commit vote (a heal included).
             stats["replica_groups"] = self.replica_groups.live
+            stats["quorum_s"] = self.replica_groups.quorum_seconds
         if self.model_args.mtp_depth:
             stats["mtp_loss"] = mtp_value
         return stats

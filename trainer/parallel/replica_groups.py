@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -97,6 +98,7 @@ class OneReplicaGroup:
 
     committed = True
     live = 1
+    quorum_seconds = 0.0
 
     def run_folder(self, dump_folder: str) -> str:
         return dump_folder
@@ -164,6 +166,7 @@ class ReplicaGroups(OneReplicaGroup):
 
     def start_step(self, step: int) -> None:
         """The quorum for the step after ``step``; heals this group first when it is behind."""
+        start = time.perf_counter()
         try:
             self.manager.start_quorum()
         except Exception as e:
@@ -171,6 +174,7 @@ class ReplicaGroups(OneReplicaGroup):
                 f"fault_tolerance.lighthouse {self.address}: no quorum of replica groups after step {step} "
                 f"({_one_line(e)})"
             ) from None
+        self.quorum_seconds = time.perf_counter() - start
         live = self.manager.num_participants()
         if live != self.live:
             logger.warning(
@@ -200,7 +204,9 @@ class ReplicaGroups(OneReplicaGroup):
 
     def should_commit(self) -> bool:
         """The groups' vote on this step (a group that failed in it makes every group skip it)."""
+        start = time.perf_counter()
         self.committed = self.manager.should_commit()
+        self.quorum_seconds += time.perf_counter() - start
         return self.committed
 
     def close(self) -> None:
