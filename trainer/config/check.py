@@ -5,10 +5,12 @@ whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts,
 TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path that names
 no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken, with
 `--rendezvous-host-port` the port node 0 of a multi-node job is to host the rendezvous on, taken,
-with `--restarts N` torchrun restarts that could not resume) fails in a second with one
+with `--restarts N` torchrun restarts that could not resume, with `[fault_tolerance]` a lighthouse address
+nothing answers at) fails in a second with one
 `config error: ...` line and exit code 2, instead of in every rank's traceback. A dry run
 (`--job.dry_run`) is checked against the world it rehearses (`dry_run.world_size`), not N: it runs
-in one process. `--print-launch` prints how run_train.sh is to launch the job (`train` or
+in one process. With `[fault_tolerance]` N is one replica group's and the layout is checked as the
+job's, N x dp_replicate ranks. `--print-launch` prints how run_train.sh is to launch the job (`train` or
 `dry_run`) on stdout.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
