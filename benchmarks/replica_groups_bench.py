@@ -16,24 +16,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.diagnostics import free_port  # noqa: E402
+from trainer.diagnostics import free_port, start_lighthouse  # noqa: E402
 
 COMMON = [
-    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-    "--metrics.log_freq", "1", "--no-validation.enable", "--job.print_config=false",
-    "--parallelism.dp_replicate", "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
+    "--training.seq_len",
+    "32",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--no-validation.enable",
+    "--job.print_config=false",
+    "--parallelism.dp_replicate",
+    "2",
+    "--parallelism.ep",
+    "2",
+    "--training.local_batch_size",
+    "2",
 ]
 
 
@@ -41,7 +51,9 @@ def launch(folder: Path, nproc: int, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "NGPU": str(nproc), "OMP_NUM_THREADS": "1", "MASTER_PORT": ""}
     return subprocess.Popen(
         ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(folder), *args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -49,20 +61,6 @@ def records(folder: Path, warmup: int) -> list[dict]:
     (metrics,) = folder.rglob("metrics.jsonl")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "step_time_s" in r and r["step"] > warmup]
-
-
-def lighthouse(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [shutil.which("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.2)
 
 
 def main() -> None:
@@ -76,7 +74,7 @@ def main() -> None:
         assert launch(root / "hsdp", 4, args).wait() == 0, "the HSDP run failed"
         hsdp = records(root / "hsdp", a.warmup)
         port = free_port()
-        server = lighthouse(port)
+        server = start_lighthouse(port, "--join_timeout_ms", "10000")
         try:
             ft = [*args, "--fault_tolerance.enable", "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
             groups = [launch(root / "ft", 2, [*ft, "--fault_tolerance.replica_id", str(g)]) for g in (0, 1)]
@@ -87,7 +85,9 @@ def main() -> None:
     hsdp_step = statistics.median(r["step_time_s"] for r in hsdp)
     ft_step = statistics.median(r["step_time_s"] for r in ft_rows)
     quorum = statistics.median(r["quorum_s"] for r in ft_rows)
-    print(f"median over steps {a.warmup + 1}-{a.steps}, debugmodel seq 32, global batch 8, dp_replicate 2 x dp_shard 2 x ep 2")
+    print(
+        f"median over steps {a.warmup + 1}-{a.steps}, debugmodel seq 32, global batch 8, dp_replicate 2 x dp_shard 2 x ep 2"
+    )
     print("| layout | step | quorum + commit per step |")
     print("|---|---|---|")
     print(f"| HSDP, one launch of 4 | {hsdp_step:.3f} s | - |")

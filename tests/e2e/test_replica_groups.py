@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,21 +29,37 @@ import torch
 from in_process import COMMON, REPO, assert_close, descendants, run_main
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from trainer.diagnostics import free_port
+from trainer.diagnostics import free_port, start_lighthouse
 
 KILL_AT = 3
 STEPS = 14
 # Constant LR after the warmup: steps 1..KILL_AT have the same LR in a KILL_AT-step run.
 SCHEDULE = ["--lr_scheduler.warmup_steps", str(KILL_AT), "--lr_scheduler.decay_ratio", "0"]
 ARGS = [
-    *COMMON, *SCHEDULE, "--optimizer.name", "muon", "--no-validation.enable",
-    "--checkpoint.enable", "--checkpoint.interval", "1000",
+    *COMMON,
+    *SCHEDULE,
+    "--optimizer.name",
+    "muon",
+    "--no-validation.enable",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "1000",
 ]
 GROUP = [
-    "--training.steps", str(STEPS), "--parallelism.dp_replicate", "2", "--parallelism.ep", "2",
-    "--training.local_batch_size", "2", "--fault_tolerance.enable", "--fault_tolerance.timeout_seconds", "20",
+    "--training.steps",
+    str(STEPS),
+    "--parallelism.dp_replicate",
+    "2",
+    "--parallelism.ep",
+    "2",
+    "--training.local_batch_size",
+    "2",
+    "--fault_tolerance.enable",
+    "--fault_tolerance.timeout_seconds",
+    "20",
     # Group 0 is paused while group 1 starts again (see `scenario`): its collectives wait that long.
-    "--comm.train_timeout_seconds", "900",
+    "--comm.train_timeout_seconds",
+    "900",
 ]
 TIMEOUT = 600
 
@@ -63,7 +78,11 @@ def _start(run: Path, args: list[str], log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(
             ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(run), *args],
-            cwd=run.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=run.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
@@ -91,24 +110,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def _lighthouse(port: int) -> subprocess.Popen:
-    """torchft's lighthouse binary: a group silent for 3 s drops out of the next quorum; a live group
-    that has not asked for it yet (one in the middle of a step) is waited for up to 10 s."""
-    proc = subprocess.Popen(
-        [shutil.which("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "3000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
-            time.sleep(0.2)
-
-
 def _state(folder: Path, tmp: Path) -> dict:
     """A group's last checkpoint as one dict of whole tensors (DCP's own converter)."""
     step = folder / "checkpoint" / f"step-{STEPS}"
@@ -121,10 +122,23 @@ def _state(folder: Path, tmp: Path) -> dict:
 def scenario(tmp_path_factory):
     root = tmp_path_factory.mktemp("replica_groups")
     single = root / "single"
-    assert run_main(root, "--job.dump_folder", str(single), *ARGS, "--training.steps", str(KILL_AT),
-                    "--training.local_batch_size", "8") == 0
+    assert (
+        run_main(
+            root,
+            "--job.dump_folder",
+            str(single),
+            *ARGS,
+            "--training.steps",
+            str(KILL_AT),
+            "--training.local_batch_size",
+            "8",
+        )
+        == 0
+    )
     port = free_port()
-    lighthouse = _lighthouse(port)
+    # A group silent for 3 s drops out of the next quorum; a live group that has not asked for it yet
+    # (one in the middle of a step) is waited for up to 10 s.
+    lighthouse = start_lighthouse(port, "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "3000")
     group_args = [*ARGS, *GROUP, "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
     run = root / "run"
     run.mkdir()
@@ -135,8 +149,12 @@ def scenario(tmp_path_factory):
         deadline = time.monotonic() + TIMEOUT
         _wait_for(f"group 1 at step {KILL_AT}", lambda: len(_metrics(folders[1])) >= KILL_AT, procs, deadline)
         _kill(procs[1])
-        _wait_for("group 0 stepping alone", lambda: any(r.get("replica_groups") == 1 for r in _metrics(folders[0])),
-                  procs[:1], deadline)
+        _wait_for(
+            "group 0 stepping alone",
+            lambda: any(r.get("replica_groups") == 1 for r in _metrics(folders[0])),
+            procs[:1],
+            deadline,
+        )
         # Group 0 pauses while group 1 starts again (a minute of imports and building on a loaded CPU, in
         # which group 0 alone could finish the run) and goes on once group 1 has built its model, seconds
         # before it asks for its first quorum. Were group 0 still silent then, group 1 would start alone
@@ -159,7 +177,11 @@ def scenario(tmp_path_factory):
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]
     return {
-        "root": root, "single": single, "folders": folders, "outputs": outputs, "metrics": [_metrics(f) for f in folders],
+        "root": root,
+        "single": single,
+        "folders": folders,
+        "outputs": outputs,
+        "metrics": [_metrics(f) for f in folders],
     }
 
 
@@ -195,7 +217,18 @@ def test_checkpoint_of_the_run_resumes(scenario):
     """Group 0's last checkpoint resumes without fault tolerance, in one process, and trains on."""
     resumed = scenario["root"] / "resumed"
     shutil.copytree(scenario["folders"][0] / "checkpoint", resumed / "checkpoint")
-    assert run_main(scenario["root"], "--job.dump_folder", str(resumed), *ARGS,
-                    "--training.steps", str(STEPS + 1), "--training.local_batch_size", "8") == 0
+    assert (
+        run_main(
+            scenario["root"],
+            "--job.dump_folder",
+            str(resumed),
+            *ARGS,
+            "--training.steps",
+            str(STEPS + 1),
+            "--training.local_batch_size",
+            "8",
+        )
+        == 0
+    )
     records = _metrics(resumed)
     assert [r["step"] for r in records if "loss" in r] == [STEPS + 1]

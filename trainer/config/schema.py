@@ -370,6 +370,17 @@ class Parallelism(Section):
         return degree_problems(self)
 
 
+def _positive_seconds(section: Section, name: str, keys: tuple[str, ...]) -> list[tuple[bool, str]]:
+    """Checks that each of ``keys`` is a finite number of seconds > 0."""
+    return [
+        (
+            math.isfinite(getattr(section, key)) and getattr(section, key) > 0,
+            f"{name}.{key} must be a number of seconds > 0, got {getattr(section, key)}.",
+        )
+        for key in keys
+    ]
+
+
 @dataclass
 class Comm(Section):
     init_timeout_seconds: float = option(
@@ -382,15 +393,7 @@ class Comm(Section):
     )
 
     def problems(self) -> list[str]:
-        return failed_checks(
-            *(
-                (
-                    math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
-                    f"comm.{key} must be a number of seconds > 0, got {getattr(self, key)}.",
-                )
-                for key in ("init_timeout_seconds", "train_timeout_seconds")
-            ),
-        )
+        return failed_checks(*_positive_seconds(self, "comm", ("init_timeout_seconds", "train_timeout_seconds")))
 
 
 @dataclass
@@ -417,13 +420,7 @@ class FaultTolerance(Section):
         return failed_checks(
             (self.replica_id >= 0, f"fault_tolerance.replica_id must be >= 0, got {self.replica_id}."),
             (self.min_replicas >= 1, f"fault_tolerance.min_replicas must be >= 1, got {self.min_replicas}."),
-            *(
-                (
-                    math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
-                    f"fault_tolerance.{key} must be a number of seconds > 0, got {getattr(self, key)}.",
-                )
-                for key in ("quorum_timeout_seconds", "timeout_seconds")
-            ),
+            *_positive_seconds(self, "fault_tolerance", ("quorum_timeout_seconds", "timeout_seconds")),
         )
 
 

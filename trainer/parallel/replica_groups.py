@@ -55,8 +55,13 @@ class LiveState:
     DTensors, which have the same layout by construction."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler, loader,
-        train_state: Callable[[], dict], load_train_state: Callable[[dict], None],
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        loader,
+        train_state: Callable[[], dict],
+        load_train_state: Callable[[dict], None],
     ):
         self.model, self.optimizer, self.lr_scheduler, self.loader = model, optimizer, lr_scheduler, loader
         self.train_state, self.load_train_state = train_state, load_train_state
@@ -83,7 +88,9 @@ class LiveState:
                     local_tensor(mine[key]).copy_(value)
                 else:
                     mine[key] = value
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_BY_NAME)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_BY_NAME
+        )
         self.lr_scheduler.load_state_dict({**self.lr_scheduler.state_dict(), **state["lr_scheduler"]})
         self.loader.load_state_dict(state["data"])
         self.load_train_state(state["train"])
@@ -141,13 +148,22 @@ class ReplicaGroups(OneReplicaGroup):
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         try:
             self.manager = Manager(
-                pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replicas,
-                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
-                connect_timeout=timeout, rank=rank, world_size=world, lighthouse_addr=self.address,
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=ft.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+                connect_timeout=timeout,
+                rank=rank,
+                world_size=world,
+                lighthouse_addr=self.address,
                 # The digits name the group: torchft numbers its ranks (flight-recorder dumps) by them.
                 replica_id=f"replica_group_{ft.replica_id}",
                 # Every group builds the same initial weights from the seed (trainer/parallel/weight_init.py).
-                init_sync=False, **store,
+                init_sync=False,
+                **store,
             )
         except Exception as e:  # the Rust client's errors are plain RuntimeErrors
             raise ConfigError(f"fault_tolerance.lighthouse {self.address}: {_one_line(e)}") from None
@@ -180,7 +196,11 @@ class ReplicaGroups(OneReplicaGroup):
             logger.warning(
                 "step %d: %d of %d replica groups live: a step trains on their rows of the global batch (%d/%d of "
                 "it), its loss is the mean over their tokens; the LR schedule follows the step count",
-                step + 1, live, self.groups, live, self.groups,
+                step + 1,
+                live,
+                self.groups,
+                live,
+                self.groups,
             )
             self.live = live
 
