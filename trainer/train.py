@@ -505,6 +505,7 @@ class Trainer:
             # A replica group failed during the step: no group committed it; it is repeated on the same
             # batch by the groups of the next quorum.
             logger.warning("step %d not committed (a replica group failed in it); repeating it", self.step)
+            self.profiler.step_end(self.step)
             self.step -= 1
             self.train_loader.load_state_dict(position)
             return stop.reason()

@@ -50,6 +50,12 @@ def replica_group_problems(cfg: Any) -> list[str]:
             "and a restarted stage could not heal alone; use --parallelism.pp 1",
         ),
         (
+            cfg.job.dry_run,
+            "job.dry_run with fault_tolerance: the dry run rehearses the whole layout (dry_run.world_size ranks, the "
+            "groups' replicate dimension as HSDP's, which a group's ranks match in memory and collectives); drop "
+            "--fault_tolerance.enable for it",
+        ),
+        (
             cfg.optimizer.qk_clip,
             "fault_tolerance with optimizer.qk_clip: the clip's logit maximum is taken inside one replica group, "
             "not across the groups; drop --optimizer.qk_clip",
