@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainer.diagnostics import free_port, start_lighthouse
 
 KILL_AT = 3
-STEPS = 14
+STEPS = 18
 # Constant LR after the warmup: steps 1..KILL_AT have the same LR in a KILL_AT-step run.
 SCHEDULE = ["--lr_scheduler.warmup_steps", str(KILL_AT), "--lr_scheduler.decay_ratio", "0"]
 ARGS = [
@@ -156,13 +156,13 @@ def scenario(tmp_path_factory):
             deadline,
         )
         # Group 0 pauses while group 1 starts again (a minute of imports and building on a loaded CPU, in
-        # which group 0 alone could finish the run) and goes on once group 1 has built its model, seconds
-        # before it asks for its first quorum. Were group 0 still silent then, group 1 would start alone
+        # which group 0 alone could finish the run) and goes on once group 1's processes have met, seconds
+        # before it asks for its first quorum. Were group 0 silent then, group 1 would train a step alone
         # from step 0 and heal at the next quorum all the same: torchft heals whichever group is behind.
         _signal(procs[0], signal.SIGSTOP)
         procs[1] = _start(run, [*group_args, "--fault_tolerance.replica_id", "1"], logs[2])
         try:
-            _wait_for("group 1 started again", lambda: "precision:" in logs[2].read_text(), procs[1:], deadline)
+            _wait_for("group 1 started again", lambda: "run folder" in logs[2].read_text(), procs[1:], deadline)
         finally:
             _signal(procs[0], signal.SIGCONT)
         for proc in procs:
