@@ -193,7 +193,7 @@ filter_pid=$!
 # parent-death signal, and why): nothing of the run outlives this script, however it ends.
 python3 -m trainer.parent_death $$ torchrun \
   --nnodes="$NNODES" --nproc_per_node="$NGPU" --node_rank="$NODE_RANK" "${rendezvous[@]}" \
-  --max-restarts="$RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+  --max-restarts="$RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 --log-dir="$TRAINER_LAUNCH_DIR/torchrun" \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@" </dev/null 2>"$TRAINER_LAUNCH_DIR/stderr" &
 launcher_pid=$!
 set +m +e
@@ -254,14 +254,23 @@ if [[ -n "$stop_signal" ]] && (( ${#started[@]} == 0 )); then
   printf 'run_train.sh: stopped by SIG%s while the workers were starting: nothing was trained, nothing to save\n' "$stop_signal" >&2
   exit 0
 fi
-# No worker got ready and torchrun reported none failed: they were never started, so the rendezvous
-# failed (a worker that started and then failed has torchrun's "failed (exitcode" line).
-if (( status != 0 && ${#started[@]} == 0 )) && [[ "${rendezvous[0]}" != --standalone ]] \
-    && ! grep -q 'failed (exitcode' "$LAUNCHER_LOG" 2>/dev/null; then
+# No worker got ready: torchrun makes its per-attempt log folders (--log-dir) only once the
+# rendezvous has completed and it starts the workers, so without one the rendezvous failed; with one,
+# the workers were started and stopped before getting ready, which on a multi-node job is torchrun
+# ending this node's attempt because another node's failed (a worker of this node that failed by
+# itself has torchrun's "failed (exitcode" line, and torchrun's report below).
+if (( status != 0 && ${#started[@]} == 0 )) && [[ "${rendezvous[0]}" != --standalone ]]; then
   reason="$(grep -E 'Error|error' "$LAUNCHER_LOG" 2>/dev/null | tail -n 1 || true)"
-  printf 'error: the workers never started: the rendezvous at MASTER_ADDR:MASTER_PORT = %s:%s failed (%s; RDZV_TIMEOUT = %s s). Check that all NNODES = %s nodes are started with the same MASTER_ADDR and MASTER_PORT, that the node with that address can listen on the port (no other job holds it) and the others reach it.\n' \
-    "$MASTER_ADDR" "$MASTER_PORT" "${reason:-no message}" "$RDZV_TIMEOUT" "$NNODES" >&2
-  exit 2
+  workers_made=("$TRAINER_LAUNCH_DIR"/torchrun/*/attempt_*)
+  if (( ${#workers_made[@]} == 0 )); then
+    printf 'error: the workers never started: the rendezvous at MASTER_ADDR:MASTER_PORT = %s:%s failed (%s; RDZV_TIMEOUT = %s s). Check that all NNODES = %s nodes are started with the same MASTER_ADDR and MASTER_PORT, that the node with that address can listen on the port (no other job holds it) and the others reach it.\n' \
+      "$MASTER_ADDR" "$MASTER_PORT" "${reason:-no message}" "$RDZV_TIMEOUT" "$NNODES" >&2
+    exit 2
+  elif ! grep -q 'failed (exitcode' "$LAUNCHER_LOG" 2>/dev/null; then
+    printf 'error: node %s: the rendezvous at %s:%s succeeded, but no worker of this node got ready before torchrun stopped them (%s): another node of the job failed or this node'"'"'s workers hung while starting. The other nodes'"'"' logs say which rank failed first.\n' \
+      "$NODE_RANK" "$MASTER_ADDR" "$MASTER_PORT" "${reason:-no message}" >&2
+    exit 2
+  fi
 fi
 if (( status != 0 )) && [[ -f "$LAUNCHER_LOG" ]]; then
   cat "$LAUNCHER_LOG" >&2

@@ -70,16 +70,19 @@ print(' '.join(m for m in ('datasets', 'tomli_w') if importlib.util.find_spec(m)
         exit 1
     fi
     DEVICE=cuda
-    A_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile)
-    B_ARGS=(--flavor 16B --model-override n_layers=4 --dtype bf16 --seq-len 4096 --batch-size 2)
+    # The model embeds its flavor's vocabulary (129,280 rows for proxy_1b) since 2026-12-07; the
+    # figures measured before had the bundled tokenizer's 8,192 rows, which this keeps comparable.
+    VOCAB=(--model-override vocab_size=8192)
+    A_ARGS=(--flavor proxy_1b "${VOCAB[@]}" --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile)
+    B_ARGS=(--flavor 16B --model-override n_layers=4 "${VOCAB[@]}" --dtype bf16 --seq-len 4096 --batch-size 2)
     B_VARIANT=compile
     D_VARIANTS=compile_float8
     C_ARGS=(--flavor proxy_1b --tokens 16384 --dtype bf16)
-    E_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
-    F_ARGS=(--flavor proxy_1b --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile,compile_autocast)
+    E_ARGS=(--flavor proxy_1b "${VOCAB[@]}" --dtype bf16 --seq-len 4096 --batch-size 1 --variants eager)
+    F_ARGS=(--flavor proxy_1b "${VOCAB[@]}" --dtype bf16 --seq-len 4096 --batch-size 4 --variants compile,compile_autocast)
     H_ARGS=(--flavor proxy_1b --steps 5 --warmup 2)
     TIMING=(--steps 5 --repeats 2 --warmup 2)
-    G_ARGS=(--device cuda --dtype bf16 --flavor 16B --model-override n_layers=4 --seq-len 4096 --micro-batches 4 --steps 3)
+    G_ARGS=(--device cuda --dtype bf16 --flavor 16B --model-override n_layers=4 vocab_size=8192 --seq-len 4096 --micro-batches 4 --steps 3)
     GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 fi
 

@@ -7,6 +7,8 @@
 
     # a checkpoint of ours (a step-N folder, or a folder of them: the newest) -> HF folder
     python scripts/convert_hf.py export outputs/run/checkpoint/step-1000 outputs/hf [--dtype bfloat16]
+    # its parameter EMA (a run with --ema.enable) instead of the trained weights
+    python scripts/convert_hf.py export outputs/run/checkpoint/step-1000 outputs/hf_ema --ema
 
 `--max-seq-len` only shortens the rope table: YaRN and the softmax scale stay those of the
 config's `rope_scaling` (the released weights compute the same function at any length).
@@ -52,12 +54,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32", *
 
 def export_hf(
     ckpt: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gb: float = 5.0,
-    load_unverified: bool = False,
+    load_unverified: bool = False, ema: bool = False,
 ) -> list[Path]:
-    """Our DCP checkpoint -> HF safetensors shards + index + config.json at `out_dir`."""
+    """Our DCP checkpoint -> HF safetensors shards + index + config.json at `out_dir`; ``ema``:
+    the checkpoint's parameter EMA as the weights."""
     path = resolve_checkpoint_path(ckpt)
     args = read_model_args(path)
-    native = read_model_state_dict(path, load_unverified)
+    native = read_model_state_dict(path, load_unverified, ema=ema)
     hf = DeepSeekV3StateDictAdapter(args).to_hf(native)
     return write_hf_checkpoint(
         hf, out_dir, config=to_hf_config(args), max_shard_bytes=int(max_shard_gb * 1024**3),
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     exp.add_argument("--load-unverified", action="store_true",
                      help="also export a checkpoint whose marker records no checksums (its files are not verified)")
+    exp.add_argument("--ema", action="store_true",
+                     help="export the parameter EMA (saved by a run with --ema.enable) instead of the trained weights")
     opts = parser.parse_args(argv)
     try:
         if opts.command == "import":
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             out = import_hf(opts.hf_dir, opts.out_dir, opts.dtype, **overrides)
             print(f"wrote DCP checkpoint {out}")
         else:
-            files = export_hf(opts.checkpoint, opts.out_dir, opts.dtype, opts.max_shard_gb, opts.load_unverified)
+            files = export_hf(opts.checkpoint, opts.out_dir, opts.dtype, opts.max_shard_gb, opts.load_unverified,
+                               opts.ema)
             print(f"wrote {len(files)} safetensors shard(s), index and config.json to {opts.out_dir}")
     except (FileNotFoundError, CheckpointError, KeyError, ValueError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

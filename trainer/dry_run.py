@@ -237,8 +237,8 @@ class DryRunTrainer(Trainer):
 
     @staticmethod
     def _model_args_without_tokenizer(cfg: JobConfig):
-        """The flavor's own vocabulary when the tokenizer file is not on this machine (the model's
-        shape is all a dry run needs of it); None: the tokenizer's, as a run builds it."""
+        """The flavor's EOS when the tokenizer file is not on this machine (the model's shape, the
+        flavor's either way, is all a dry run needs of it); None: the tokenizer's, as a run builds it."""
         if resolve_path(cfg.model.tokenizer_path).is_file():
             return None
         flavor = resolve_flavor(cfg)

@@ -76,6 +76,7 @@ def device_description(device: torch.device) -> str:
 _LINE_FIELDS = (
     ("loss", "loss {:.4f}"),
     ("val_loss", "val_loss {:.4f}"),
+    ("val_loss_ema", "ema {:.4f}"),
     ("grad_norm", "gnorm {:.3f}"),
     ("lr", "lr {:.2e}"),
     ("tokens_per_sec", "tok/s {:,.0f}"),
@@ -174,6 +175,8 @@ class MetricsLogger:
         if eta_s is not None:
             parts.append(f"eta {datetime.timedelta(seconds=round(eta_s))}")
         parts += [fmt.format(r[key]) for key, fmt in _LINE_FIELDS if key in r]
+        # A mixture's per-source validation losses (trainer/validate.py, MixtureValidator).
+        parts += [f"{key} {value:.4f}" for key, value in r.items() if key.startswith("val_loss/")]
         if "time/forward_backward_ms" in r:  # [profiling] step_breakdown
             labels = (("data_wait", "data"), ("forward_backward", "fwd+bwd"), ("reduce_clip", "clip"), ("optimizer", "opt"))
             parts.append("ms " + " ".join(f"{short} {r[f'time/{key}_ms']:.1f}" for key, short in labels))

@@ -1,6 +1,6 @@
 """The model's shape from the config: the flavor preset (models/flavors) with the `[model]` and
-`[engram]` options and the tokenizer's vocabulary applied, resolved once before the build
-(docs/architecture.md, step 2). Nothing mutates the args after that."""
+`[engram]` options and the tokenizer's EOS applied (its ids checked to fit the flavor's embedding),
+resolved once before the build (docs/architecture.md, step 2). Nothing mutates the args after that."""
 
 from __future__ import annotations
 
@@ -18,9 +18,18 @@ def resolve_flavor(cfg: JobConfig) -> DeepSeekV3ModelArgs:
         raise ConfigError(f"model.flavor: {e} (available: {', '.join(flavor_names())})") from None
 
 
-def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3ModelArgs:
-    """Resolves the flavor and every config-derived model value once, before the build."""
+def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int, eos_id: int) -> DeepSeekV3ModelArgs:
+    """Resolves the flavor and every config-derived model value once, before the build.
+
+    The embedding keeps the flavor's rows (a released checkpoint's shape: 129,280 for V3, whose
+    tokenizer uses 128,815 ids); the tokenizer's ids must fit in them."""
     args = resolve_flavor(cfg)
+    if tokenizer_vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {cfg.model.tokenizer_path} has {tokenizer_vocab_size} ids but flavor {cfg.model.flavor!r} embeds "
+            f"{args.vocab_size}: use the model's own tokenizer (model.tokenizer_path) or a flavor whose vocabulary "
+            "holds it"
+        )
     m = cfg.model
     moe = dataclasses.replace(
         args.moe,
@@ -33,7 +42,6 @@ def build_model_args(cfg: JobConfig, vocab_size: int, eos_id: int) -> DeepSeekV3
         return dataclasses.replace(
             args,
             moe=moe,
-            vocab_size=vocab_size,
             eos_id=eos_id,
             max_seq_len=cfg.training.seq_len,
             attn_backend=m.attn_backend,

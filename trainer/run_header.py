@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from trainer.config.data_mix import parse_mixture
 from trainer.config.pipeline_layout import PipelinePlan
 from trainer.metrics import device_description
 from trainer.runtime import git_revision, resolve_path, versions
@@ -38,7 +39,7 @@ def log_run_header(trainer) -> None:
         "tokenizer %s (vocab %d) | data %s | seq_len %d | global batch %d sequences = %d micro-batch(es) of %d",
         resolve_path(cfg.model.tokenizer_path),
         trainer.tokenizer.vocab_size,
-        t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}",
+        _data_description(t),
         t.seq_len,
         trainer.train_loader.global_batch_size,
         trainer.grad_accum_steps,
@@ -57,6 +58,13 @@ def log_run_header(trainer) -> None:
 
 
 
+def _data_description(t) -> str:
+    """The training data: the dataset, or the mixture's sources with their weights."""
+    if t.dataset_mix:
+        return "mixture " + ", ".join(f"{s.name} x {s.weight:g}" for s in parse_mixture(t.dataset_mix))
+    return t.dataset if not t.dataset_path else f"{t.dataset}:{t.dataset_path}"
+
+
 def active_features(cfg, world_size: int) -> list[str]:
     """The switched-on options that change how a step runs, as the run's log lists them: a user
     reading train.log sees which of them this run had without reading the resolved config."""
@@ -73,5 +81,6 @@ def active_features(cfg, world_size: int) -> list[str]:
         (cfg.optimizer.qk_clip, "QK-clip"),
         (cfg.quantize.float8, "float8 matmuls" + (" (emulated)" if cfg.quantize.emulate else "")),
         (cfg.engram.enable, "Engram" + (" (optimizer state in CPU memory)" if cfg.engram.offload_optimizer_state else "")),
+        (cfg.ema.enable, f"parameter EMA in CPU memory (decay {cfg.ema.decay}, every {cfg.ema.update_every} steps)"),
     ]
     return [name for on, name in features if on]

@@ -16,6 +16,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -30,8 +31,10 @@ from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, count_param
 from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
+from trainer.config.data_mix import parse_mixture
 from trainer.config.replica_groups import job_world_size
 from trainer.data import build_dataloader, build_tokenizer
+from trainer.data.mixture import build_mixture_dataloader
 from trainer.distributed import (
     collective_timeout_message,
     destroy_distributed,
@@ -44,6 +47,7 @@ from trainer.distributed import (
     local_rank_from_env,
     set_collective_timeout,
 )
+from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 from trainer.launch_files import previous_attempt_failure, record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
@@ -72,7 +76,7 @@ from trainer.runtime import (
     setup_logging,
 )
 from trainer.step_hooks import StepHook
-from trainer.validate import Validator
+from trainer.validate import MixtureValidator, Validator
 
 logger = logging.getLogger("trainer")
 
@@ -208,7 +212,8 @@ class Trainer:
         materialize(model, self.device, self.cfg.training.seed)
 
     def _build_tokenizer(self):
-        return build_tokenizer(resolve_path(self.cfg.model.tokenizer_path))
+        m = self.cfg.model
+        return build_tokenizer(resolve_path(m.tokenizer_path), parse_special_tokens=m.parse_special_tokens)
 
     def _check_memory_fit(self, available_memory: int | None) -> None:
         check_fits(self.cfg, self.model_args, self.parallel_dims, self.device, available_memory)
@@ -228,7 +233,10 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
+        # The parameter EMA comes first: it reads the weights before any hook writes them (trainer/ema.py).
+        self.ema = ParameterEMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.enable else None
         self.step_hooks: list[StepHook] = [
+            *([self.ema] if self.ema is not None else []),
             ExpertBiasUpdater(self.model, self.parallel.global_sum, self.parallel_dims.mesh_or_none("pp")),
             *optimizer_hooks,
         ]
@@ -245,41 +253,58 @@ class Trainer:
         # The loaders' shared tokenisation exchanges token arrays over its own gloo group.
         multi = self.parallel_dims.world_size > 1
         self.token_group = torch.distributed.new_group(backend="gloo") if multi else None
+        self.mixture = parse_mixture(t.dataset_mix)
         # The loader is its own iterator (continuing from its state): the Trainer's data stream.
-        self.train_loader = self._loader(t.dataset, t.dataset_path, "train", (self.dp_rank, self.dp_world))
+        if self.mixture:  # paths resolved as `_loader` resolves one
+            sources = [dataclasses.replace(s, path=s.path and str(resolve_path(s.path))) for s in self.mixture]
+            self.train_loader = build_mixture_dataloader(
+                tokenizer=self.tokenizer, sources=sources, seq_len=t.seq_len, **self._batch_split()
+            )
+        else:
+            self.train_loader = self._loader(t.dataset, t.dataset_path, "train", infinite=True)
         self.validator = self._build_validator() if cfg.validation.enable else None
 
-    def _loader(self, dataset: str, path: str | None, split: str, dp: tuple[int, int] | None = None):
-        """Training data (infinite) with ``dp``: (this rank's data rank, their number) in the job;
-        else validation data (finite), split over this replica group's data ranks only: each group
-        scores every validation batch itself (``ParallelStep.step_sum``)."""
+    def _batch_split(self, dp: tuple[int, int] | None = None) -> dict:
+        """The loaders' batch split and order: this rank's share of the global batch, the seed.
+        ``dp``: (this rank's data rank, their number); None = the job's."""
         t = self.cfg.training
-        infinite = dp is not None
-        dp_rank, dp_world = dp or self.parallel_dims.dp_rank_and_degree()
+        dp_rank, dp_world = dp or (self.dp_rank, self.dp_world)
+        return dict(
+            batch_size=t.local_batch_size, global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
+            dp_rank=dp_rank, dp_world_size=dp_world, token_group=self.token_group, seed=t.seed,
+        )
+
+    def _loader(self, dataset: str, path: str | None, split: str, infinite: bool):
+        """Training data (infinite), split over the job's data ranks; validation data (finite) over
+        this replica group's only: with [fault_tolerance] each group scores every validation batch
+        itself (``ParallelStep.step_sum`` is group-local)."""
+        t = self.cfg.training
+        dp = None if infinite else self.parallel_dims.dp_rank_and_degree()
         return build_dataloader(
             tokenizer=self.tokenizer,
             dataset=dataset,
             dataset_path=str(resolve_path(path)) if path else None,
             seq_len=t.seq_len,
-            batch_size=t.local_batch_size,
-            global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world,
-            token_group=self.token_group,
             split=split,
-            seed=t.seed,
             infinite=infinite,
+            **self._batch_split(dp),
         )
 
-    def _build_validator(self) -> Validator:
+    def _build_validator(self) -> Validator | MixtureValidator:
         v, t = self.cfg.validation, self.cfg.training
+        if self.mixture and v.dataset is None:  # each source's held-out split
+            return MixtureValidator(
+                {s.name: (s.weight, self._validator(s.dataset, s.path, "validation")) for s in self.mixture}
+            )
         dataset = v.dataset or t.dataset
         path = v.dataset_path or (t.dataset_path if v.dataset is None else None)
         # A separate validation dataset is read whole; the training dataset gives its held-out split.
-        split = "validation" if v.dataset is None else "train"
+        return self._validator(dataset, path, "validation" if v.dataset is None else "train")
+
+    def _validator(self, dataset: str, path: str | None, split: str) -> Validator:
         return Validator(
-            self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split),
-            v.steps, self.device,
+            self.model, self.parallel, self.autocast, lambda: self._loader(dataset, path, split, infinite=False),
+            self.cfg.validation.steps, self.device, self.ema if self.cfg.ema.validate else None,
         )
 
     def _build_observability(self) -> None:
@@ -334,7 +359,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             self.cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, model_args=self.model_args,
-            device=self.device, pipeline_share=self.parallel_dims.pp_enabled,
+            device=self.device, pipeline_share=self.parallel_dims.pp_enabled, ema=self.ema,
         )
 
     def _data_shape(self) -> dict[str, int]:
@@ -456,7 +481,7 @@ class Trainer:
             # every block, minutes of silence on a CPU without this line.
             logger.info("compiling ... (torch.compile traces the model at its first step; the steps after are faster)")
         if self.validator is not None and self.step == 0 and stop_reason is None:
-            self.metrics.log({"step": 0, "val_loss": self.validator.evaluate()})
+            self.metrics.log({"step": 0, **self.validator.record()})
         logger.info("training for %d steps", t.steps)
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
@@ -522,19 +547,23 @@ class Trainer:
         is_log = is_log_step(self.step, t.steps, self.cfg.metrics.log_freq, stop_reason is not None)
         is_val = self.validator is not None and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps)
         if is_log or is_val:
-            record = {"step": self.step, **stats, **self.logged_metrics(), **window.record()}
+            record = {
+                "step": self.step, **stats, **self.train_loader.metrics(), **self.logged_metrics(), **window.record()
+            }
             record.update(self.parallel.per_stage("memory_gib", peak_memory_gib(self.device)))
             record.update(self.breakdown.window_record())
             if not math.isfinite(stats["loss"]):
                 logger.warning("step %d: non-finite loss %s", self.step, stats["loss"])
             if is_val:
-                record["val_loss"] = self.validator.evaluate()
+                record.update(self.validator.record())
             self.metrics.log(record)
         return stop_reason
 
     def close(self) -> None:
         self.replica_groups.close()
         self.checkpointer.close()
+        if self.ema is not None:
+            self.ema.close()
         self.metrics.close()
         destroy_distributed()
 

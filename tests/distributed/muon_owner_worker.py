@@ -187,5 +187,10 @@ def run(rank: int, world: int, port: int, workdir: str, ports: list[int], queue)
     out = {"rank": rank}
     for (name, (flags, experts)), layout_port in zip(LAYOUTS.items(), (port, *ports)):
         out[name] = _one_layout(rank, world, layout_port, Path(workdir) / name, flags, experts)
-    out["placements"] = _placements(rank, world, ports[-1])
     queue.put(out)
+
+
+def run_placements(rank: int, world: int, port: int, queue) -> None:
+    """The owners' exchange alone (no trainer is built): the fast tier's launch."""
+    torch.set_num_threads(1)
+    queue.put({"rank": rank, "placements": _placements(rank, world, port)})

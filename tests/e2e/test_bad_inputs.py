@@ -9,6 +9,7 @@ the launcher's traceback. One worker-side mistake goes through run_train.sh at 1
 the others, whose lines take the same way, run in this process (`run_in_process`), as do the resumes.
 Resuming with another data shape, or past a damaged checkpoint folder, is no mistake but is logged."""
 
+import base64
 import os
 import re
 import subprocess
@@ -118,6 +119,9 @@ def bad_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text("this is not json\n{{{\n")
     (tmp_path / "docs.jsonl").write_text('{"text": "a line of text"}\n' * 50)
     (tmp_path / "random.tiktoken").write_bytes(bytes(range(256)) * 8)
+    # The bundled tokenizer (8189 ranks + 3 specials = the debug flavor's 8192 rows) and one token more.
+    bundled = (REPO / "assets" / "tokenizer" / "shakespeare.tiktoken").read_text()
+    (tmp_path / "big.tiktoken").write_text(bundled + base64.b64encode(b"zzqzzq").decode() + " 8189\n")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
 
@@ -138,6 +142,7 @@ def test_worker_side_mistakes_give_one_line_per_rank(tmp_path, ngpu):
          ["dataset_path docs.jsonl cannot be read as parquet", "--training.dataset json"]),
         (["--training.dataset", "someone/no-such-dataset"], ["'someone/no-such-dataset'", "Offline"]),
         (["--model.tokenizer_path", "random.tiktoken"], ["random.tiktoken"]),
+        (["--model.tokenizer_path", "big.tiktoken"], ["big.tiktoken has 8193 ids", "'debugmodel' embeds 8192"]),
         (["--checkpoint.initial_load_path", "hf", "--checkpoint.initial_load_format", "hf"], ["model.safetensors"]),
     ],
 )

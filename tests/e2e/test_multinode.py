@@ -21,9 +21,10 @@ from trainer.train import Trainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _launch(tmp_path, node_rank: int, port: int, nnodes: int, ngpu: int, *args):
+def _launch(tmp_path, node_rank: int, port: int, nnodes: int, ngpu: int, *args, env: dict | None = None):
     env = {
         **os.environ,
+        **(env or {}),
         "NNODES": str(nnodes),
         "NGPU": str(ngpu),
         "NODE_RANK": str(node_rank),
@@ -91,6 +92,35 @@ def test_two_nodes_train_and_validate_like_one_process(tmp_path):
         for step in want:
             # fp32 on both sides; only the order of the sums differs between the layouts.
             assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (key, step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_a_node_whose_workers_hang_at_start_is_not_called_a_failed_rendezvous(tmp_path):
+    # The second node's workers are started (the rendezvous completed) but hang before the trainer
+    # runs; the first node's rank gives up after comm.init_timeout_seconds and the job ends. The
+    # hanging node must not blame the rendezvous, which succeeded.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('LOCAL_RANK') is not None and os.environ.get('HANG_AT_START'):\n"
+        "    time.sleep(600)\n"
+    )
+    hang = {"HANG_AT_START": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    for node in "ab":
+        (tmp_path / node).mkdir()
+    port = free_port()
+    args = ["--training.steps", "2", "--training.device", "cpu", "--comm.init_timeout_seconds", "10"]
+    procs = [_launch(tmp_path / "a", 0, port, 2, 1, *args), _launch(tmp_path / "b", 1, port, 2, 1, *args, env=hang)]
+    try:
+        good, hung = (p.communicate(timeout=300)[0] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 2 and "comm.init_timeout_seconds = 10 s while starting" in good, good[-3000:]
+    assert procs[1].returncode == 2, hung[-3000:]
+    assert f"error: node 1: the rendezvous at 127.0.0.1:{port} succeeded, but no worker of this node got ready" in hung
+    assert "never started" not in hung and "Traceback" not in hung, hung[-3000:]
 
 
 def test_impossible_layout_fails_before_process_groups(tmp_path):

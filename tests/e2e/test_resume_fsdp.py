@@ -9,7 +9,10 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
   on a 2-core CI machine, so all two-process runs share one torchrun launch (this module run as
   ``python -m``, like tests/distributed/parity_worker.py); each resumed Trainer is built from
   scratch and gets model, optimizer, schedule, data position and RNG from the checkpoint alone.
-  A real process kill is tested single-process in test_resume.py.
+  A real process kill is tested single-process in test_resume.py. Every run keeps the parameter
+  EMA (``[ema]``, trainer/ema.py): each rank averages its own FSDP / EP shards, and the resumed
+  run's average at step 10 is bit-identical to the straight run's (both read from their step-10
+  checkpoints, resharded to whole tensors by DCP).
 - reshard: the layouts must read the same tokens per step to compare losses, so the two-process
   side is FSDP 2 + EP 2 as context parallel (``ep_as_cp``: data-parallel degree 1, the sequence
   split over the ep ranks; the same expert placements as FSDP 2 + EP 2). A single-process
@@ -27,8 +30,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint import list_checkpoints, read_model_state_dict
 from trainer.diagnostics import free_port
 from trainer.train import main
 
@@ -45,6 +49,7 @@ ARGS = [
     # Warmup, then a constant LR (WSD without decay): the schedule does not depend on
     # training.steps, so a run may stop early (--training.steps 8) on the same LRs.
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
+    "--ema.enable", "--ema.decay", "0.7",
 ]
 FSDP_EP = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
 FSDP_EP_AS_CP = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--parallelism.ep_as_cp"]
@@ -123,6 +128,11 @@ def test_fsdp2_ep2_exact_resume(runs):
     log = (runs / "resumed" / "train.log").read_text()
     assert f"step-{STEPS // 2} (step {STEPS // 2})" in log and "restart from the seed" not in log
     assert losses(runs / "resumed") == {s: straight[s] for s in range(STEPS // 2 + 1, STEPS + 1)}  # bit-identical
+    want, got = (read_model_state_dict(runs / run / "checkpoint" / f"step-{STEPS}", ema=True)
+                 for run in ("straight", "resumed"))
+    weights = read_model_state_dict(runs / "straight" / "checkpoint" / f"step-{STEPS}")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(want["layers.0.attn.wq.weight"], weights["layers.0.attn.wq.weight"])  # an average
 
 
 @pytest.mark.slow
@@ -133,6 +143,7 @@ def test_reshard_between_one_process_and_fsdp2_ep2(runs, tmp_path):
     # global); otherwise its half of each sequence, and so the losses, would differ.
     log = (runs / "two" / "train.log").read_text()
     assert "resumed from" in log and "restart from the seed" not in log and "not restored" not in log
+    assert "holds no parameter EMA" not in log  # resharded from one process like the weights
     assert_close(losses(runs / "two"), single, range(6, 9))
     assert [c.step for c in list_checkpoints(runs / "two" / "checkpoint")] == [8, 5]
 

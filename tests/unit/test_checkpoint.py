@@ -30,6 +30,7 @@ from trainer.checkpoint import (
 )
 from trainer.checkpoint.folder import checkpoint_shapes
 from trainer.checkpoint.safe_load import SafeFileSystemReader
+from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -69,7 +70,7 @@ def ckpt_cfg(**overrides):
     return SimpleNamespace(**cfg)
 
 
-def build(tmp_path, dim=32, **overrides):
+def build(tmp_path, dim=32, ema=False, **overrides):
     args = tiny_args(dim)
     torch.manual_seed(0)
     model = DeepSeekV3Model(args)
@@ -77,17 +78,22 @@ def build(tmp_path, dim=32, **overrides):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     loader = FakeLoader()
+    average = ParameterEMA(model, 0.75, 1) if ema else None
     mgr = CheckpointManager(
         ckpt_cfg(**overrides), tmp_path, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader,
-        model_args=args, device=torch.device("cpu"),
+        model_args=args, device=torch.device("cpu"), ema=average,
     )
-    return SimpleNamespace(args=args, model=model, opt=opt, sched=sched, loader=loader, mgr=mgr)
+    return SimpleNamespace(args=args, model=model, opt=opt, sched=sched, loader=loader, mgr=mgr, ema=average)
 
 
 def train_step(t, step):
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+    if t.ema is not None:
+        t.ema.before_forward(step)
     t.model(tokens).logits.float().pow(2).mean().backward()
     t.opt.step()
+    if t.ema is not None:
+        t.ema.after_optimizer(stepped=True)
     t.sched.step()
     t.opt.zero_grad()
     with torch.no_grad():
@@ -96,7 +102,7 @@ def train_step(t, step):
 
 
 def test_save_resume_restores_everything(tmp_path):
-    a = build(tmp_path, keep_latest_k=2, async_mode="async")
+    a = build(tmp_path, ema=True, keep_latest_k=2, async_mode="async")
     for step in (1, 2, 3):
         train_step(a, step)
         a.mgr.maybe_save(step, {"step": step, "skipped_total": 1})
@@ -109,7 +115,7 @@ def test_save_resume_restores_everything(tmp_path):
     assert read_model_args(found[0].path) == a.args
     rng_after_save = torch.rand(3)
 
-    b = build(tmp_path)
+    b = build(tmp_path, ema=True)
     torch.rand(7)  # disturb the generator: the checkpoint must restore it
     state = b.mgr.load()
     assert state == {"step": 3, "skipped_total": 1}
@@ -122,6 +128,11 @@ def test_save_resume_restores_everything(tmp_path):
             assert torch.equal(value, sb["state"][pid][name]), name
     assert b.sched.state_dict()["last_epoch"] == 3 and b.loader.pos == 3
     assert torch.equal(torch.rand(3), rng_after_save)
+    # The parameter EMA continues bit for bit (trainer/ema.py).
+    for t in (a, b):
+        train_step(t, 4)
+        t.ema.flush()
+    assert all(torch.equal(x, y) for x, y in zip(a.ema.averages, b.ema.averages))
 
 
 def test_optimizer_groups_are_keyed_by_name_and_older_index_keyed_checkpoints_resume(tmp_path, monkeypatch):
@@ -434,6 +445,34 @@ def test_model_only_export_and_initial_load(tmp_path):
     assert torch.equal(b.model.layers["1"].ffn.expert_bias, a.model.layers["1"].ffn.expert_bias)
 
 
+def test_parameter_ema_export_and_a_checkpoint_without_one(tmp_path, caplog):
+    a = build(tmp_path / "a", ema=True)
+    train_step(a, 1)
+    a.mgr.save(1, {"step": 1})
+    # The export reads the average in place of the parameters, the buffers from the model.
+    exported = read_model_state_dict(tmp_path / "a" / "checkpoint" / "step-1", ema=True)
+    a.ema.flush()
+    assert set(exported) == set(a.model.state_dict())
+    for name, avg in zip(a.ema.names, a.ema.averages):
+        assert torch.equal(exported[name], avg), name
+    assert torch.equal(exported["layers.1.ffn.expert_bias"], a.model.layers["1"].ffn.expert_bias)
+    assert not torch.equal(exported["embed.weight"], a.model.embed.weight)  # the average, not the weights
+
+    # Resumed with an EMA, a checkpoint without one starts it from the resumed weights.
+    plain = build(tmp_path / "plain")
+    train_step(plain, 1)
+    plain.mgr.save(1, {"step": 1})
+    with pytest.raises(CheckpointError, match="holds no parameter EMA"):
+        read_model_state_dict(tmp_path / "plain" / "checkpoint" / "step-1", ema=True)
+    c = build(tmp_path / "plain", ema=True)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        c.mgr.load()
+    assert "step-1 holds no parameter EMA (saved without ema.enable): the EMA starts from the resumed weights" in (
+        caplog.text
+    )
+    assert all(torch.equal(x, p) for x, p in zip(c.ema.averages, plain.model.parameters()))
+
+
 def test_stop_request_signal_and_time_limit():
     stop = StopRequest(agree=lambda flag: flag).install()
     try:
@@ -455,3 +494,15 @@ def test_nonfinite_guard_counts_and_stops():
     with pytest.raises(TrainingDiverged, match="2 consecutive"):
         guard.should_skip(5, math.nan, math.nan)
     assert guard.state_dict() == {"skipped_total": 3}
+
+
+@pytest.mark.parametrize("saved_mixture", [True, False])
+def test_a_resume_across_one_dataset_and_a_mixture_is_refused_by_name(tmp_path, saved_mixture):
+    from trainer.checkpoint.errors import CheckpointError
+    from trainer.checkpoint.manager import _check_data_source_kind
+
+    key = "rank_state_0.dataloader." + ("mixture" if saved_mixture else "index")
+    shapes = {key: (), "model.w": (2, 2)}
+    _check_data_source_kind(tmp_path, saved_mixture, shapes)  # the same kind: nothing to say
+    with pytest.raises(CheckpointError, match="the data position does not carry over.*initial_load_path"):
+        _check_data_source_kind(tmp_path, not saved_mixture, shapes)

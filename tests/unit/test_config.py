@@ -93,9 +93,8 @@ def test_defaults_match_contract():
     # torchtitan's: start-up and the first step (compiling) may take minutes, a step's collective not.
     assert (cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds) == (300, 100)
     assert set(sections_of(JobConfig)) == {
-        "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics",
-        "validation", "checkpoint", "parallelism", "comm", "fault_tolerance", "activation_checkpoint", "profiling",
-        "quantize", "dry_run",
+        "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics", "validation", "checkpoint",
+        "ema", "parallelism", "comm", "fault_tolerance", "activation_checkpoint", "profiling", "quantize", "dry_run",
     }
 
 

@@ -182,6 +182,7 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         (2, [*FT, "--parallelism.pp", "2"], ["fault_tolerance with parallelism.pp = 2", "--parallelism.pp 1"]),
         (2, [*FT, "--optimizer.qk_clip"], ["fault_tolerance with optimizer.qk_clip", "drop --optimizer.qk_clip"]),
         (2, [*FT, "--job.dry_run"], ["job.dry_run with fault_tolerance", "drop --fault_tolerance.enable"]),
+        (2, [*FT, "--ema.enable"], ["fault_tolerance with ema.enable", "drop --ema.enable"]),
         # The job's layout is the launch's world times the groups: 2 x 3 ranks cannot hold ep 4.
         (3, [*FT, "--parallelism.ep", "4"], ["parallelism.ep = 4 must divide dp_shard x cp = 3 x 1"]),
         (2, ["--fault_tolerance.enable", "--parallelism.dp_replicate", "2"], ["needs the torchft lighthouse's address"]),

@@ -110,7 +110,7 @@ def _model_with_routing_bias(args: DeepSeekV3ModelArgs, seed: int, bias_std: flo
     return model
 
 
-def test_dcp_hf_round_trip_is_identity(tmp_path):
+def test_dcp_hf_round_trip_is_identity(tmp_path, capsys):
     args = tiny_args(mtp_depth=1)
     model = _model_with_routing_bias(args, seed=1, bias_std=0.1)
     native = model.state_dict()
@@ -126,6 +126,10 @@ def test_dcp_hf_round_trip_is_identity(tmp_path):
     assert back.keys() == native.keys()
     for key, tensor in native.items():
         assert torch.equal(back[key], tensor), key
+    # `export --ema` of a checkpoint without a parameter EMA: one line (tests/unit/test_checkpoint.py exports one).
+    assert convert_hf.main(["export", str(tmp_path / "dcp"), str(tmp_path / "hf_ema"), "--ema"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("holds no parameter EMA (it was saved without --ema.enable)")
 
 
 def test_pickled_weights_are_never_loaded(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Tokenizer: bundled tiktoken vocabulary, round trips, specials, HF tokenizer.json conversion."""
+"""Tokenizer: bundled tiktoken vocabulary, round trips, specials, HF tokenizer.json through `tokenizers`."""
 
 import gzip
 import json
@@ -111,7 +111,7 @@ def test_build_tokenizer_paths(tmp_path, monkeypatch):
         build_tokenizer(tmp_path / "bad.tiktoken")
 
 
-# --- HF tokenizer.json conversion ----------------------------------------------------------------
+# --- HF tokenizer.json (`tokenizers`) ----------------------------------------------------------------
 
 DEEPSEEK_BOS, DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 COMPARE = [
@@ -123,8 +123,8 @@ COMPARE = [
 
 
 def _train_hf(texts, *, splits, specials, vocab_size=700):
-    tokenizers = pytest.importorskip("tokenizers", reason="HF `tokenizers` (a dev dependency) is not installed")
-    from tokenizers import Regex, models, pre_tokenizers, trainers
+    import tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -138,6 +138,7 @@ def _train_hf(texts, *, splits, specials, vocab_size=700):
         show_progress=False,
     )
     hf.train_from_iterator(texts, trainer=trainer)
+    hf.decoder = decoders.ByteLevel()  # as real byte-level BPE files have: bytes back to text
     return hf
 
 
@@ -149,7 +150,7 @@ def _train_hf(texts, *, splits, specials, vocab_size=700):
         ([r"\p{N}{1,3}", DEFAULT_PATTERN], [DEEPSEEK_BOS, DEEPSEEK_EOS, "<｜▁pad▁｜>"]),
     ],
 )
-def test_hf_conversion_matches_hf(tmp_path, corpus_texts, splits, specials):
+def test_hf_tokenizer_json_matches_tokenizers(tmp_path, corpus_texts, splits, specials):
     hf = _train_hf(corpus_texts[:40], splits=splits, specials=specials)
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer(tmp_path)
@@ -162,13 +163,15 @@ def test_hf_conversion_matches_hf(tmp_path, corpus_texts, splits, specials):
         ids = tok.encode(text)
         assert ids == hf.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids) == text
-    # HF matches added tokens inside text; we deliberately encode them as ordinary text.
+    # `tokenizers` matches special tokens inside text by default; we encode them as text unless asked.
     inside = f"x {specials[0]} y"
     assert tok.bos_id in hf.encode(inside, add_special_tokens=False).ids
     assert tok.bos_id not in tok.encode(inside) and tok.decode(tok.encode(inside)) == inside
+    parsed = build_tokenizer(tmp_path, parse_special_tokens=True)
+    assert parsed.encode(inside) == hf.encode(inside, add_special_tokens=False).ids
 
 
-def test_hf_conversion_uses_tokenizer_config_and_explicit_names(tmp_path, corpus_texts):
+def test_hf_tokenizer_json_uses_tokenizer_config_and_explicit_names(tmp_path, corpus_texts):
     hf = _train_hf(corpus_texts[:10], splits=[DEFAULT_PATTERN], specials=["<A>", "<B>"], vocab_size=300)
     path = tmp_path / "tokenizer.json"
     hf.save(str(path))
@@ -181,21 +184,31 @@ def test_hf_conversion_uses_tokenizer_config_and_explicit_names(tmp_path, corpus
     )
     tok = Tokenizer.from_hf_tokenizer_json(path)
     assert (tok.bos_id, tok.eos_id) == (0, 1)
-
-
-def test_hf_conversion_rejects_inconsistent_merges(tmp_path, corpus_texts):
-    hf = _train_hf(corpus_texts[:10], splits=[DEFAULT_PATTERN], specials=["<s>", "</s>"], vocab_size=400)
-    spec = json.loads(hf.to_str())
-    merges = spec["model"]["merges"]
-    merges[5], merges[50] = merges[50], merges[5]
-    path = tmp_path / "tokenizer.json"
-    path.write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="increasing id order|not above its parts"):
+    with pytest.raises(ValueError, match="not a special token of this tokenizer"):
+        Tokenizer.from_hf_tokenizer_json(path, bos_token="<C>")
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
         Tokenizer.from_hf_tokenizer_json(path)
 
-    spec["model"] = {"type": "WordPiece", "vocab": {}}
-    path.write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="only BPE"):
+
+def test_hf_tokenizer_json_bad_files(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"model": {"type": "NoSuchModel"}}))
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer.json that `tokenizers` can load"):
         Tokenizer.from_hf_tokenizer_json(path)
     with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
         Tokenizer.from_hf_tokenizer_json(tmp_path / "missing" / "tokenizer.json")
+
+
+def test_parse_special_tokens_tiktoken(tok):
+    parsed = build_tokenizer(TIKTOKEN_FILE, parse_special_tokens=True)
+    text = "<|begin_of_text|>hi<|pad|>there<|end_of_text|>"
+    hi, there = tok.encode("hi"), tok.encode("there")
+    assert parsed.encode(text) == [tok.bos_id, *hi, tok.pad_id, *there, tok.eos_id]
+    # BOS/EOS the document already has are not doubled; the pipeline's are added where missing.
+    assert parsed.encode(text, bos=True, eos=True) == parsed.encode(text)
+    assert parsed.encode("hi", bos=True, eos=True) == [tok.bos_id, *hi, tok.eos_id]
+    assert parsed.decode(parsed.encode(text)) == text
+    # Text mode (the default): the same string stays text and gets the pipeline's BOS/EOS.
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids.count(tok.bos_id) == 1 and ids.count(tok.eos_id) == 1 and tok.pad_id not in ids

@@ -1,4 +1,5 @@
-"""trainer/validate.py: the loss over exactly the scored tokens, and an empty split as a config error."""
+"""trainer/validate.py: the loss over exactly the scored tokens, an empty split as a config error, and the
+score of the parameter EMA's weights (`ema.validate`)."""
 
 import contextlib
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.ema import ParameterEMA
 from trainer.validate import Validator
 
 
@@ -47,3 +49,31 @@ def test_an_empty_split_is_a_config_error_naming_the_fix():
     validator = Validator(nn.Linear(1, 1), _Step(), contextlib.nullcontext, lambda: _Loader(), 2, torch.device("cpu"))
     with pytest.raises(ConfigError, match="global_batch_size"):
         validator.evaluate()
+
+
+class _WeightStep(_Step):
+    """Stand-in whose "loss" per token is the model's one weight."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def eval_loss_sum(self, inputs, labels, autocast):
+        return self.model.weight.sum() * inputs.numel(), torch.tensor(inputs.numel())
+
+
+def test_ema_scores_the_averaged_weights_and_gives_the_trained_ones_back():
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    ema = ParameterEMA(model, 0.75, 1)  # averages 2.0
+    ema.before_forward(1)
+    with torch.no_grad():
+        model.weight.fill_(6.0)
+    ema.after_optimizer(stepped=True)  # owes 0.75 * 2 + 0.25 * 6 = 3
+    batches = [(torch.zeros(2, 3), torch.zeros(2, 3))] * 2
+    validator = Validator(
+        model, _WeightStep(model), contextlib.nullcontext, lambda: _Loader(batches), 1, torch.device("cpu"), ema
+    )
+    assert validator.record() == {"val_loss": 6.0, "val_loss_ema": 3.0}
+    assert model.weight.item() == 6.0

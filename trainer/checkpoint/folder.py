@@ -350,25 +350,33 @@ def save_model_checkpoint(
     return final
 
 
-def read_model_state_dict(path: str | Path, load_unverified: bool = False) -> dict[str, torch.Tensor]:
+def read_model_state_dict(path: str | Path, load_unverified: bool = False, ema: bool = False) -> dict[str, torch.Tensor]:
     """The `model.*` tensors of a DCP checkpoint as plain CPU tensors in their saved dtypes,
-    without building a model (for conversion)."""
+    without building a model (for conversion). ``ema``: the parameters are the checkpoint's
+    parameter EMA instead (`ema.*`, fp32; `[ema] enable`), the buffers the model's."""
     path = resolve_checkpoint_path(path)
     verify_or_refuse(path, load_unverified)
     try:
         metadata = read_dcp_metadata(path).state_dict_metadata
     except UnreadableCheckpoint as e:
         raise CheckpointError(str(e)) from None
-    model = {
-        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
-        for k, v in metadata.items()
-        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
-    }
-    if not model:
+
+    def tensors(prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            k.removeprefix(prefix): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+            for k, v in metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+        }
+
+    state = {"model": tensors("model.")}
+    if not state["model"]:
         raise CheckpointError(f"{path} holds no model weights")
-    state = {"model": model}
+    if ema:
+        state["ema"] = tensors("ema.")
+        if not state["ema"]:
+            raise CheckpointError(f"{path} holds no parameter EMA (it was saved without --ema.enable)")
     try:
         dcp_load(state, path)
     except UnreadableCheckpoint as e:
         raise CheckpointError(f"cannot read the model weights of {path}: {e}") from None
-    return state["model"]
+    return {**state["model"], **state.get("ema", {})}

@@ -7,6 +7,8 @@ the state dict a training checkpoint holds is this module's:
     optimizer      get_state_dict(optimizer): FQN-keyed, param groups too (flattened), so it
                    reshards like the model, across pipeline stages as well
     lr_scheduler   LambdaLR.state_dict()
+    ema            with `[ema] enable`: the CPU-resident average of the parameters (`trainer.ema`),
+                   keyed and laid out like `model`'s parameters, so it reshards the same way
     train_state    {"step", "skipped_total", "seq_len", "global_batch_size"}
     rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
                    layout) and RNG states (torch CPU/CUDA, python, numpy)
@@ -42,7 +44,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -82,6 +84,9 @@ from trainer.checkpoint.integrity import ChecksumWriter
 from trainer.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 from trainer.fault_tolerance import TrainingDiverged, nonfinite_entries
 from trainer.optim import optimizer_signature
+
+if TYPE_CHECKING:
+    from trainer.ema import ParameterEMA
 
 logger = logging.getLogger("trainer")
 # Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other
@@ -139,6 +144,8 @@ class CheckpointManager:
         run_dir: the run folder (`[job] dump_folder` itself when resumable); checkpoints go to `run_dir / cfg.folder`.
         dataloader: anything with `state_dict()` / `load_state_dict()`.
         pipeline_share: ``model`` holds only this rank's pipeline stages.
+        ema: the run's parameter EMA (``[ema] enable``), saved and resumed with the rest; a resume
+            from a checkpoint without one, and an initial load, start it from the loaded weights.
         storage_writer_factory: makes the DCP storage writer for a folder; tests pass one that
             dies half-way through a save.
     """
@@ -156,6 +163,7 @@ class CheckpointManager:
         device: torch.device,
         storage_writer_factory: Callable[[Path], Any] | None = None,
         pipeline_share: bool = False,
+        ema: ParameterEMA | None = None,
     ):
         self.cfg = cfg
         self.folder = Path(run_dir) / cfg.folder
@@ -166,6 +174,7 @@ class CheckpointManager:
         self.model_args = model_args
         self.device = device
         self.pipeline_share = pipeline_share
+        self.ema = ema
         self.rank = global_rank()
         self.storage_writer_factory = storage_writer_factory or (lambda path: ChecksumWriter(str(path)))
         self._pending: _PendingSave | None = None
@@ -192,13 +201,16 @@ class CheckpointManager:
 
     def _full_state(self, train_state: dict, options: StateDictOptions = OPTIM_BY_NAME) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
-        return {
+        state = {
             "model": model_sd,
             "optimizer": optim_sd,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": dict(train_state),
             self._rank_key(): {"dataloader": self.dataloader.state_dict(), "rng": _rng_state(self.device)},
         }
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict(model_sd)
+        return state
 
     # ---- saving --------------------------------------------------------------------------------
 
@@ -336,6 +348,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.load_step = {cfg.load_step} needs checkpoint.enable = true")
         if cfg.initial_load_path:
             self._initial_load()
+            if self.ema is not None:
+                self.ema.restart()
         return None
 
     def _resume(self) -> dict | None:
@@ -417,6 +431,7 @@ class CheckpointManager:
         rank_key = self._rank_key()
         own = state.pop(rank_key)
         saved_ranks = sorted({int(m.group(1)) for k in shapes if (m := RANK_STATE.match(k))})
+        _check_data_source_kind(info.path, "mixture" in own["dataloader"], shapes)
         world = global_world_size()
         if read_marker(info.path).get("world_size", world) == world:
             candidates = [self.rank] if self.rank in saved_ranks else []
@@ -426,6 +441,9 @@ class CheckpointManager:
             candidates = sorted(saved_ranks, key=lambda r: r != self.rank)
         for r in candidates:
             state[f"rank_state_{r}"] = copy.deepcopy(own)
+        ema_saved = any(k.startswith("ema.") for k in shapes)
+        if self.ema is not None and not ema_saved:
+            del state["ema"]
         kept = _group_steps_not_saved(state.get("optimizer", {}), shapes)
         dcp_load(state, info.path)
         for key, value in kept.items():  # from the per-parameter count where there is one
@@ -445,6 +463,12 @@ class CheckpointManager:
             ):
                 group["lr"] = base * factor(self.lr_scheduler.last_epoch)
         self._restore_rank_state([(r, state[f"rank_state_{r}"]) for r in candidates], info.path.name)
+        if self.ema is not None and ema_saved:
+            self.ema.loaded()
+        elif self.ema is not None:
+            self.ema.restart()
+            logger.info("%s holds no parameter EMA (saved without ema.enable): the EMA starts from the resumed "
+                        "weights", info.path.name)
         train_state = state["train_state"]
         self._last_saved_step = int(train_state["step"])
         self._good = (info.path, "its checksums verified when this run resumed from it" if verified else
@@ -505,3 +529,18 @@ class CheckpointManager:
         logger.info(
             "initial weights loaded from %s (%s) in %.2fs", path, cfg.initial_load_format, time.perf_counter() - start
         )
+
+
+def _check_data_source_kind(path: Path, reads_mixture: bool, shapes: dict) -> None:
+    """A one-dataset run's data position (a stream index) and a mixture's (one per source) do not
+    translate: say so, instead of DCP's missing key, which the resume would take for damage."""
+    saved = [k for k in shapes if RANK_STATE.match(k) and ".dataloader." in k]
+    saved_mixture = any(".dataloader.mixture" in k for k in saved)
+    if saved and saved_mixture != reads_mixture:
+        was, now = ("a mixture", "one dataset") if saved_mixture else ("one dataset", "a mixture (training.dataset_mix)")
+        raise CheckpointError(
+            f"{path} was saved by a run reading {was} and this run reads {now}: the data position does not "
+            "carry over. Resume with the data settings it was saved with, or start the new data from its weights "
+            f"in a new run folder with --checkpoint.initial_load_path {path}"
+        )
+

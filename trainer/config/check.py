@@ -2,16 +2,16 @@
 
 `run_train.sh` runs it before starting any process, so a config that cannot run (a typo, a layout
 whose degrees do not fit NNODES x NGPU or the model's blocks, heads and experts, a sequence the
-TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path that names
-no file or an empty one, with `--free-port` a single-node MASTER_PORT that is taken, with
-`--rendezvous-host-port` the port node 0 of a multi-node job is to host the rendezvous on, taken,
-with `--restarts N` torchrun restarts that could not resume, with `[fault_tolerance]` a lighthouse address
-nothing answers at) fails in a second with one
-`config error: ...` line and exit code 2, instead of in every rank's traceback. A dry run
-(`--job.dry_run`) is checked against the world it rehearses (`dry_run.world_size`), not N: it runs
-in one process. With `[fault_tolerance]` N is one replica group's and the layout is checked as the
-job's, N x dp_replicate ranks. `--print-launch` prints how run_train.sh is to launch the job (`train` or
-`dry_run`) on stdout.
+TP/CP splits do not divide, a dump folder that cannot be created, a local dataset path (of
+`training.dataset_path` or a `training.dataset_mix` source) that names no file or an empty one,
+with `--free-port` a single-node MASTER_PORT that is taken, with `--rendezvous-host-port` the port
+node 0 of a multi-node job is to host the rendezvous on, taken, with `--restarts N` torchrun
+restarts that could not resume, with `[fault_tolerance]` a lighthouse address nothing answers at)
+fails in a second with one `config error: ...` line and exit code 2, instead of in every rank's
+traceback. A dry run (`--job.dry_run`) is checked against the world it rehearses
+(`dry_run.world_size`), not N: it runs in one process. With `[fault_tolerance]` N is one replica
+group's and the layout is checked as the job's, N x dp_replicate ranks. `--print-launch` prints how
+run_train.sh is to launch the job (`train` or `dry_run`) on stdout.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
 Torch-free.
@@ -33,6 +33,7 @@ import sys
 from models.flavors.deepseek_v3 import flavor_fields
 from trainer.config.combinations import LOCAL_FORMATS
 from trainer.config.data_files import resolve_local_files
+from trainer.config.data_mix import parse_mixture
 from trainer.config.dump_folder import check_dump_folder
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
@@ -97,15 +98,21 @@ def check_model_fit(cfg, layout: Layout) -> None:
 def check_data_files(cfg) -> None:
     """Local dataset paths must name files that hold data (relative paths from the working
     directory, as the workers read them)."""
-    sources = [("training", cfg.training.dataset, cfg.training.dataset_path)]
+    if cfg.training.dataset_mix:
+        sources = [
+            (f"training.dataset_mix source {s.name!r}", s.dataset, s.path)
+            for s in parse_mixture(cfg.training.dataset_mix)
+        ]
+    else:
+        sources = [("training.dataset_path", cfg.training.dataset, cfg.training.dataset_path)]
     if cfg.validation.enable:
-        sources.append(("validation", cfg.validation.dataset, cfg.validation.dataset_path))
-    for section, dataset, path in sources:
+        sources.append(("validation.dataset_path", cfg.validation.dataset, cfg.validation.dataset_path))
+    for what, dataset, path in sources:
         if dataset in LOCAL_FORMATS:
             try:
                 resolve_local_files(dataset, path)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"{section}.dataset_path: {e}") from None
+                raise ConfigError(f"{what}: {e}") from None
 
 
 def _bind_error(family: socket.AddressFamily, host: str, port: int) -> OSError | None:

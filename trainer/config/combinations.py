@@ -34,11 +34,13 @@ def combination_problems(cfg: Any) -> list[str]:
             f"training.dataset = {t.dataset!r} reads local files: set --training.dataset_path "
             f"(a file, a glob or a directory)."
         )
-    if v.enable and v.dataset is None and v.dataset_path and t.dataset == BUNDLED_DATASET:
+    if v.enable and v.dataset is None and v.dataset_path and (t.dataset == BUNDLED_DATASET or t.dataset_mix):
+        training_data = (
+            "each source of training.dataset_mix" if t.dataset_mix else f"the training dataset {BUNDLED_DATASET!r}"
+        )
         problems.append(
-            f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses the training dataset "
-            f"{BUNDLED_DATASET!r}; add --validation.dataset json (or text, parquet, auto), or drop "
-            "--validation.dataset_path."
+            f"validation.dataset_path = {v.dataset_path!r} is ignored: validation uses {training_data}; "
+            "add --validation.dataset json (or text, parquet, auto), or drop --validation.dataset_path."
         )
     if v.enable and v.dataset == BUNDLED_DATASET and v.dataset_path:
         problems.append(
@@ -137,6 +139,7 @@ _GATES = (
         ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype"),
     ),
     ("optimizer.qk_clip", lambda c: not c.optimizer.qk_clip, ("qk_clip_threshold", "qk_clip_every")),
+    ("ema.enable", lambda c: not c.ema.enable, None),
     (
         "parallelism.pp", lambda c: c.parallelism.pp == 1,
         tuple(f.name for f in dataclasses.fields(PipelinePlan) if f.name != "pp"),
@@ -170,6 +173,8 @@ def combination_warnings(cfg: Any) -> list[str]:
             f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is more than training.steps = {t.steps}: "
             "the learning rate never reaches optimizer.lr; lower --lr_scheduler.warmup_steps."
         )
+    if cfg.ema.enable and cfg.ema.validate and not cfg.validation.enable:
+        warnings.append("ema.validate = true is ignored: validation.enable is false.")
     if t.time_limit_minutes > 0 and not cfg.checkpoint.enable:
         warnings.append(
             "training.time_limit_minutes stops the run without saving it: checkpoint.enable is false; "

@@ -56,6 +56,11 @@ def replica_group_problems(cfg: Any) -> list[str]:
             "--fault_tolerance.enable for it",
         ),
         (
+            cfg.ema.enable,
+            "fault_tolerance with ema.enable: the parameter EMA is not part of the live state a healing group "
+            "fetches, so the groups' EMAs would part; drop --ema.enable",
+        ),
+        (
             cfg.optimizer.qk_clip,
             "fault_tolerance with optimizer.qk_clip: the clip's logit maximum is taken inside one replica group, "
             "not across the groups; drop --optimizer.qk_clip",

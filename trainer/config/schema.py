@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import tomli_w
 
-from trainer.config.combinations import combination_problems, combination_warnings
+from trainer.config.combinations import BUNDLED_DATASET, combination_problems, combination_warnings
+from trainer.config.data_mix import mixture_problems
 from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.layout import degree_problems
 from trainer.config.pipeline_layout import PPSchedule
@@ -44,7 +45,14 @@ class Job(Section):
 class Model(Section):
     name: Literal["deepseek_v3"] = option("deepseek_v3", "Model family")
     flavor: str = option("debugmodel", "Architecture preset of the model family (sizes live in Python, not TOML)")
-    tokenizer_path: str = option("assets/tokenizer/shakespeare.tiktoken", "Path of the .tiktoken tokenizer file")
+    tokenizer_path: str = option(
+        "assets/tokenizer/shakespeare.tiktoken",
+        "The tokenizer: a .tiktoken file, a Hugging Face tokenizer.json, or a directory holding one (docs/tokenizer.md)",
+    )
+    parse_special_tokens: bool = option(
+        False, "Special-token strings inside documents become their ids (chat-formatted data; a document's own "
+        "BOS/EOS are not doubled); false: they are encoded as plain text"
+    )
     attn_backend: Literal["sdpa", "flex"] = option("sdpa", "Attention kernel")
     attn_mask_type: Literal["causal", "block_causal"] = option(
         "causal",
@@ -128,6 +136,10 @@ class Training(Section):
     )
     dataset: str = option("shakespeare", "Training dataset name")
     dataset_path: str | None = option(None, "Local path or HF hub id of the dataset; none = the dataset's default")
+    dataset_mix: list[str] = option(
+        [], "Weighted mixture of datasets instead of training.dataset: entries 'WEIGHT DATASET [PATH]' "
+        "(docs/data.md); empty = training.dataset alone"
+    )
     seed: int = option(42, "Random seed for weights and data order")
     deterministic: bool = option(False, "Use deterministic algorithms (slower)")
     compile: bool = option(False, "Apply torch.compile to the model blocks")
@@ -159,7 +171,12 @@ class Training(Section):
 
     def problems(self) -> list[str]:
         gbs, lbs = self.global_batch_size, self.local_batch_size
-        return failed_checks(
+        return mixture_problems(self.dataset_mix) + failed_checks(
+            (
+                not self.dataset_mix or (self.dataset == BUNDLED_DATASET and self.dataset_path is None),
+                f"training.dataset_mix replaces training.dataset = {self.dataset!r} / training.dataset_path = "
+                f"{self.dataset_path!r}; add that dataset to the mixture as an entry, or drop --training.dataset_mix.",
+            ),
             *(
                 (getattr(self, key) > 0, f"training.{key} must be a positive integer, got {getattr(self, key)}.")
                 for key in ("steps", "seq_len", "local_batch_size", "gc_freq")
@@ -333,6 +350,22 @@ class Checkpoint(Section):
                 self.keep_latest_k >= 0,
                 f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}.",
             ),
+        )
+
+
+@dataclass
+class Ema(Section):
+    enable: bool = option(
+        False, "Keep an exponential moving average of the weights in CPU memory (DeepSeek-V3; docs/checkpoints.md)"
+    )
+    decay: float = option(0.999, "Weight of the old average at each update, in (0, 1)")
+    update_every: int = option(1, "Update the average every N steps (it then spans about N / (1 - decay) steps)")
+    validate: bool = option(False, "Also score the validation split with the averaged weights (val_loss_ema)")
+
+    def problems(self) -> list[str]:
+        return failed_checks(
+            (0.0 < self.decay < 1.0, f"ema.decay must be in (0, 1), e.g. 0.999, got {self.decay}."),
+            (self.update_every >= 1, f"ema.update_every must be >= 1, got {self.update_every}."),
         )
 
 
@@ -525,6 +558,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    ema: Ema = field(default_factory=Ema)
     parallelism: Parallelism = field(default_factory=Parallelism)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -14,7 +14,9 @@ final partial *global* batch, so every batch has the same shape and every layout
 windows.
 
 Documents may cross window boundaries; BOS/EOS mark them, which is what document masking in
-attention keys on.
+attention keys on. An infinite loader starts the next epoch when the data runs out, with one line
+in the log. A weighted mixture of datasets (``training.dataset_mix``) packs each dataset on its
+own and draws each window of the global sample stream from one of them (trainer/data/mixture.py).
 
 Held-out validation: a hub dataset's own ``validation`` (or ``test``) split when it has one, else
 every ``VALIDATION_EVERY``-th document (index % 20 == 19, by position in the stream for streaming
@@ -39,9 +41,10 @@ in any layout (another DP degree, local batch or accumulation split).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import huggingface_hub
@@ -54,6 +57,8 @@ from trainer.config.combinations import LOCAL_FORMATS
 from trainer.config.data_files import local_format, resolve_local_files
 from trainer.data.shared_tokenize import SharedTokenizer
 from trainer.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("trainer")
 
 VALIDATION_EVERY = 20
 TEXT_COLUMN = "text"
@@ -105,12 +110,23 @@ def build_dataloader(
             keep the dataset's order, and validation is always read in order).
         streaming: read with ``streaming=True``; default: True for hub datasets, False for local.
     """
+    batches = batch_split(seq_len, batch_size, global_batch_size, dp_rank, dp_world_size)
+    source = load_source(
+        tokenizer, dataset, dataset_path, split=split, token_group=token_group, seed=seed, shuffle=shuffle,
+        streaming=streaming,
+    )
+    return TokenDataLoader(PackedWindows(source, seq_len=seq_len, infinite=infinite), **batches)
+
+
+def batch_split(
+    seq_len: int, batch_size: int, global_batch_size: int | None = None, dp_rank: int = 0, dp_world_size: int = 1
+) -> dict[str, int]:
+    """``TokenDataLoader``'s batch arguments, checked, with the global batch size's default (one
+    micro-batch per DP rank)."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, dp_world_size={dp_world_size}), got {dp_rank}")
-    if split not in ("train", "validation"):
-        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     per_micro = batch_size * dp_world_size
     global_batch_size = global_batch_size or per_micro
     if global_batch_size % per_micro:
@@ -118,23 +134,32 @@ def build_dataloader(
             f"global_batch_size = {global_batch_size} is not a multiple of batch_size x dp_world_size = "
             f"{batch_size} x {dp_world_size}"
         )
+    return {
+        "batch_size": batch_size, "global_batch_size": global_batch_size, "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+    }
 
+
+def load_source(
+    tokenizer: Tokenizer,
+    dataset: str,
+    dataset_path: str | None,
+    *,
+    split: str,
+    token_group: dist.ProcessGroup | None,
+    seed: int,
+    shuffle: bool,
+    streaming: bool | None,
+) -> _MapDocuments | _StreamDocuments:
+    """One dataset's documents of ``split`` (arguments as for ``build_dataloader``)."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     data, held_out, name = _load_documents(dataset, dataset_path, split, streaming)
     encoder = SharedTokenizer(tokenizer, token_group)
     if isinstance(data, datasets.IterableDataset):
-        source: _MapDocuments | _StreamDocuments = _StreamDocuments(data, encoder, name=name, held_out=held_out)
-    else:
-        source = _MapDocuments(
-            data, encoder, name=name, held_out=held_out, shuffle_seed=seed if shuffle and split == "train" else None
-        )
-    return TokenDataLoader(
-        source,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        global_batch_size=global_batch_size,
-        infinite=infinite,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
+        return _StreamDocuments(data, encoder, name=name, held_out=held_out)
+    return _MapDocuments(
+        data, encoder, name=name, held_out=held_out, shuffle_seed=seed if shuffle and split == "train" else None
     )
 
 
@@ -142,61 +167,43 @@ class TokenDataLoader:
     """Iterator over this DP rank's ``(inputs, labels)`` LongTensor micro-batches of shape
     ``[batch_size, seq_len]``; ``accum_steps`` consecutive micro-batches make one global batch.
 
-    The loader is its own iterator and continues from its current state on every ``iter()``; a
-    finite loader rewinds to the start after a complete pass, and ``reset()`` rewinds at any time
-    (e.g. before a capped validation pass).
+    ``windows`` is the global sample stream: ``PackedWindows`` (one dataset) or
+    ``trainer.data.mixture.MixedWindows`` (several, drawn by weight). The loader is its own
+    iterator and continues from its current state on every ``iter()``; a finite loader rewinds to
+    the start after a complete pass, and ``reset()`` rewinds at any time (e.g. before a capped
+    validation pass).
     """
 
     def __init__(
         self,
-        source: _MapDocuments | _StreamDocuments,
+        windows: WindowStream,
         *,
-        seq_len: int,
         batch_size: int,
         global_batch_size: int,
-        infinite: bool,
         dp_rank: int,
         dp_world_size: int,
     ):
-        self.seq_len = seq_len
+        self.windows = windows
+        self.seq_len = windows.seq_len
         self.batch_size = batch_size
         self.global_batch_size = global_batch_size
         self.accum_steps = global_batch_size // (batch_size * dp_world_size)
-        self.infinite = infinite
-        self._source = source
         self._rank = dp_rank
         self._world_size = dp_world_size
         self.reset()
 
     def reset(self) -> None:
         """Rewind to the first batch of epoch 0."""
-        self._set_position({"epoch": 0, "doc_pos": 0, "buffer": [], "stream_state": None})
+        self.windows.reset()
         self._rows: list[np.ndarray] = []
         self._micro = 0
-
-    def _set_position(self, position: dict[str, Any]) -> None:
-        self._epoch = int(position["epoch"])
-        self._doc_pos = int(position["doc_pos"])
-        self._buffer = np.asarray(position["buffer"], dtype=np.int32)
-        self._stream_state: dict | None = position["stream_state"]
-        self._docs: Iterator[tuple[int, np.ndarray]] | None = None
-        self._epochs_without_window = 0
-
-    def _position(self) -> dict[str, Any]:
-        """Where the global sample stream stands (before the next window)."""
-        stream_state = self._stream_state
-        if isinstance(self._source, _StreamDocuments) and self._docs is not None:
-            stream_state = self._source.stream_state()
-        return {
-            "epoch": self._epoch, "doc_pos": self._doc_pos, "buffer": self._buffer.tolist(), "stream_state": stream_state
-        }
 
     def __iter__(self) -> TokenDataLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._micro == 0:
-            self._batch_start = self._position()
+            self._batch_start = self.windows.position()
             rows = self._read_global_batch()
             if rows is None:
                 self.reset()
@@ -213,18 +220,103 @@ class TokenDataLoader:
         per_micro = self.batch_size * self._world_size
         rows = []
         for j in range(self.global_batch_size):
-            window = self._next_window()
+            window = self.windows.next_window()
             if window is None:
                 return None
             if (j % per_micro) // self.batch_size == self._rank:
                 rows.append(window)
         return rows
 
-    def _next_window(self) -> np.ndarray | None:
+    def metrics(self) -> dict[str, int]:
+        """Counters of the windows read so far (``tokens/<source>`` of a mixture; none for one dataset)."""
+        return self.windows.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global stream position at the start of the current global batch and the rows of
+        it already served: the same on every rank of every layout at a step boundary."""
+        if self._micro == 0:
+            return {"version": STATE_VERSION, **self.windows.position(), "rows_served": 0}
+        rows_served = self._micro * self.batch_size * self._world_size
+        return {"version": STATE_VERSION, **self._batch_start, "rows_served": rows_served}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(
+                "data loader state was saved per data-parallel shard by an older version; it is no position "
+                "in the global sample stream, so the data order cannot continue exactly"
+            )
+        per_micro = self.batch_size * self._world_size
+        rows_served = int(state_dict["rows_served"])
+        if rows_served % per_micro:
+            raise ValueError(
+                f"data loader state was saved {rows_served} rows into a global batch, which is not a whole number "
+                f"of this layout's micro-batches of {per_micro} rows: resume from a checkpoint at a step boundary"
+            )
+        self.reset()
+        self.windows.set_position(state_dict)
+        if rows_served:
+            self._batch_start = self.windows.position()
+            rows = self._read_global_batch()
+            if rows is None:
+                raise ValueError("data loader state points past the end of a finite pass")
+            self._rows, self._micro = rows, rows_served // per_micro
+
+
+class WindowStream(Protocol):
+    """A global sample stream of ``seq_len + 1``-token windows with a resumable position."""
+
+    seq_len: int
+
+    def reset(self) -> None: ...
+
+    def next_window(self) -> np.ndarray | None: ...
+
+    def position(self) -> dict[str, Any]: ...
+
+    def set_position(self, position: dict[str, Any]) -> None: ...
+
+    def metrics(self) -> dict[str, int]: ...
+
+
+class PackedWindows:
+    """One dataset's documents packed into windows (the module docstring's packing), epoch after
+    epoch when ``infinite``. Its position (epoch, document position, leftover tokens, HF stream
+    position) is the loader state of a one-dataset run."""
+
+    def __init__(self, source: _MapDocuments | _StreamDocuments, *, seq_len: int, infinite: bool):
+        self.source = source
+        self.seq_len = seq_len
+        self.infinite = infinite
+        self.reset()
+
+    def reset(self) -> None:
+        self.set_position({"epoch": 0, "doc_pos": 0, "buffer": [], "stream_state": None})
+
+    def set_position(self, position: dict[str, Any]) -> None:
+        self._epoch = int(position["epoch"])
+        self._doc_pos = int(position["doc_pos"])
+        self._buffer = np.asarray(position["buffer"], dtype=np.int32)
+        self._stream_state: dict | None = position["stream_state"]
+        self._docs: Iterator[tuple[int, np.ndarray]] | None = None
+        self._epochs_without_window = 0
+
+    def position(self) -> dict[str, Any]:
+        """Where the stream stands (before the next window)."""
+        stream_state = self._stream_state
+        if isinstance(self.source, _StreamDocuments) and self._docs is not None:
+            stream_state = self.source.stream_state()
+        return {
+            "epoch": self._epoch, "doc_pos": self._doc_pos, "buffer": self._buffer.tolist(), "stream_state": stream_state
+        }
+
+    def metrics(self) -> dict[str, int]:
+        return {}
+
+    def next_window(self) -> np.ndarray | None:
         span = self.seq_len + 1
         while len(self._buffer) < span:
             if self._docs is None:
-                self._docs = self._source.iter_epoch(self._epoch, self._doc_pos, self._stream_state)
+                self._docs = self.source.iter_epoch(self._epoch, self._doc_pos, self._stream_state)
             item = next(self._docs, None)
             if item is None:
                 if not self.infinite:
@@ -243,44 +335,18 @@ class TokenDataLoader:
         self._epochs_without_window += 1
         if self._epochs_without_window > 1:
             raise ValueError(
-                f"{self._source.name}: a whole epoch has fewer than seq_len + 1 = {self.seq_len + 1} tokens; "
+                f"{self.source.name}: a whole epoch has fewer than seq_len + 1 = {self.seq_len + 1} tokens; "
                 "use a smaller seq_len or more data"
             )
+        logger.info(
+            "data: %s ran out after %d documents of epoch %d; it restarts as epoch %d",
+            self.source.name, self._doc_pos, self._epoch, self._epoch + 1,
+        )
         self._epoch += 1
         self._doc_pos = 0
         self._buffer = np.empty(0, dtype=np.int32)
         self._stream_state = None
         self._docs = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The global stream position at the start of the current global batch and the rows of
-        it already served: the same on every rank of every layout at a step boundary."""
-        if self._micro == 0:
-            return {"version": STATE_VERSION, **self._position(), "rows_served": 0}
-        rows_served = self._micro * self.batch_size * self._world_size
-        return {"version": STATE_VERSION, **self._batch_start, "rows_served": rows_served}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("version") != STATE_VERSION:
-            raise ValueError(
-                "data loader state was saved per data-parallel shard by an older version; it is no position "
-                "in the global sample stream, so the data order cannot continue exactly"
-            )
-        per_micro = self.batch_size * self._world_size
-        rows_served = int(state_dict["rows_served"])
-        if rows_served % per_micro:
-            raise ValueError(
-                f"data loader state was saved {rows_served} rows into a global batch, which is not a whole number "
-                f"of this layout's micro-batches of {per_micro} rows: resume from a checkpoint at a step boundary"
-            )
-        self.reset()
-        self._set_position(state_dict)
-        if rows_served:
-            self._batch_start = self._position()
-            rows = self._read_global_batch()
-            if rows is None:
-                raise ValueError("data loader state points past the end of a finite pass")
-            self._rows, self._micro = rows, rows_served // per_micro
 
 
 class _MapDocuments:

@@ -229,7 +229,23 @@ class ManualReduction:
             for group in _param_groups(each):
                 if group._training_state != TrainingState.POST_BACKWARD:
                     group.post_backward()
-        state._root_post_backward_final_callback()
+        finish_backward(self.root)
+
+
+def lazy_init(root: nn.Module) -> None:
+    """What the FSDP root's first pre-forward hook does (mesh and stream set-up, the root's state
+    over all its units), for a step that calls the blocks' modules itself and so never runs that
+    hook. FSDP2 has no public call for it."""
+    if isinstance(root, FSDPModule):
+        root._get_fsdp_state()._lazy_init()
+
+
+def finish_backward(root: nn.Module) -> None:
+    """FSDP's end-of-backward callback on ``root`` (waits for the reductions, reshards where asked,
+    resets the units' states), which torch queues from a post-backward hook that a step calling
+    the modules itself never runs. FSDP2 has no public call for it."""
+    if isinstance(root, FSDPModule):
+        root._get_fsdp_state()._root_post_backward_final_callback()
 
 
 @contextmanager
@@ -241,7 +257,7 @@ def gathered_through_step(model: nn.Module) -> Iterator[ManualReduction]:
         yield ManualReduction(None)
         return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model._get_fsdp_state()._lazy_init()  # what the root's first forward hook would do
+    lazy_init(model)
     for unit in units:
         unit.set_reshard_after_backward(False, recurse=False)
         unit.unshard()

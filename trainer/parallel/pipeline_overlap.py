@@ -56,7 +56,7 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
-from trainer.parallel.fsdp import ManualReduction
+from trainer.parallel.fsdp import ManualReduction, finish_backward, lazy_init
 from trainer.parallel.moe_overlap import (
     ExchangeLane,
     MoELayerNodes,
@@ -259,9 +259,7 @@ class OverlapRuntime(WeightPassRuntime):
 
     def _nodes(self, stage, mb: int, ctx) -> StageNodes:
         """The micro-batch's node-form run of ``stage`` (not started)."""
-        if isinstance(stage.submod, FSDPModule):
-            # What the root's pre-forward hook would do first (it never runs in node form).
-            stage.submod._get_fsdp_state()._lazy_init()
+        lazy_init(stage.submod)  # the root's pre-forward hook never runs in node form
         acts = ctx.arg_mbs[mb] if stage.is_first else stage._retrieve_recv_activations(mb)
         return StageNodes(stage.submod, acts, ctx.kwarg_mbs[mb], self.lane)
 
@@ -302,8 +300,7 @@ class OverlapRuntime(WeightPassRuntime):
 
     def _node_backward_finish(self, stage) -> None:
         """FSDP's end of a no-sync backward (module doc), which its hooks run on torch's path."""
-        if isinstance(stage.submod, FSDPModule):
-            stage.submod._get_fsdp_state()._root_post_backward_final_callback()
+        finish_backward(stage.submod)
 
 
 def _no_sync(module) -> None:
