@@ -11,6 +11,7 @@ layout's: group ``replica_id`` reads the rows its dp_replicate index would read.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from typing import Any
@@ -90,6 +91,10 @@ def lighthouse_address(ft: Any) -> str:
 def check_lighthouse(ft: Any, timeout: float = 5.0) -> None:
     """Whether something answers at the lighthouse's address: a group that cannot reach it fails here,
     in one line naming the address, instead of after its model is built."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "fault_tolerance.enable needs torchft: pip install torchft==0.2.0 (the [ft] extra of this package)"
+        )
     address = lighthouse_address(ft)
     parts = urlsplit(address if "://" in address else f"http://{address}")
     try:
