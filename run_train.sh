@@ -12,6 +12,9 @@
 #   RDZV_TIMEOUT seconds the nodes may take to meet (default 600)
 #   RESTARTS     times torchrun restarts every worker after one fails (default 0); a restarted
 #                worker resumes from the newest complete checkpoint (needs --checkpoint.enable)
+# Fault-tolerant replica groups ([fault_tolerance], docs/fault_tolerance.md): one run of this script
+# is one group (--fault_tolerance.replica_id); the torchft lighthouse runs beside, started once with
+#   torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000
 # Every argument is passed to `python -m trainer.train`, so CLI overrides work as usual:
 #   ./run_train.sh --training.steps 50 --training.compile
 # The environment, the config, the layout (against NNODES x NGPU) and the dump folder are checked

@@ -32,6 +32,7 @@ from models.engram import NgramHasher, build_token_compression, engram_metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, load_config
 from trainer.config.data_mix import parse_mixture
+from trainer.config.replica_groups import job_world_size
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.data.mixture import build_mixture_dataloader
 from trainer.distributed import (
@@ -61,6 +62,7 @@ from trainer.metrics import (
 from trainer.model_args import build_model_args, resolve_flavor
 from trainer.optim import ExpertBiasUpdater, build_optimizer
 from trainer.parallel import ParallelDims, build_loss_function, materialize, parallelize_model
+from trainer.parallel.replica_groups import LiveState, build_replica_groups
 from trainer.parent_death import die_with_launcher
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.qk_clip import QKClip
@@ -109,7 +111,10 @@ class Trainer:
         a typo in the flavor, or heads / experts the layout cannot split, fail here, before the
         run folder exists."""
         cfg, t = self.cfg, self.cfg.training
-        self.parallel_dims = ParallelDims.from_job(cfg, self._world_size())
+        # With [fault_tolerance] this launch is one dp_replicate slice of the job's layout
+        # (trainer/config/replica_groups.py): its meshes are the slice's, its batch split the job's.
+        job = ParallelDims.from_job(cfg, job_world_size(cfg, self._world_size()))
+        self.parallel_dims = job.replica_group() if cfg.fault_tolerance.enable else job
         shape = model_args or resolve_flavor(cfg)
         self.parallel_dims.check_shapes(t.seq_len, n_heads=shape.n_heads, num_experts=shape.moe.num_experts)
         mtp_depth = shape.mtp_depth if model_args else cfg.model.mtp_depth_for(shape.mtp_depth)
@@ -121,14 +126,19 @@ class Trainer:
                 "use --model.attn_backend sdpa"
             )
         self._init_process_group()
+        self.replica_groups = build_replica_groups(cfg.fault_tolerance, job.dp_replicate, self.device)
         self.parallel_dims.build_meshes(self.device.type)
         # The meshes' groups start with torch's backend default (30 min gloo, 10 min NCCL): the
         # build's collectives on them (a resharding load) get the start-up bound, as the default
         # group's do.
         self._use_collective_timeout("init_timeout_seconds")
         self.dp_rank, self.dp_world = self.parallel_dims.dp_rank_and_degree()
+        if cfg.fault_tolerance.enable:  # this group's data ranks are the job's, after the groups before it
+            self.dp_rank += cfg.fault_tolerance.replica_id * self.dp_world
+            self.dp_world *= job.dp_replicate
+        self.job_world_size = job.world_size
         set_seed_and_determinism(t.seed, t.deterministic)
-        self.grad_accum_steps = self.parallel_dims.check_batch(t.local_batch_size, t.global_batch_size)
+        self.grad_accum_steps = job.check_batch(t.local_batch_size, t.global_batch_size)
 
     def _world_size(self) -> int:
         """The run's world size: torchrun's (a dry run rehearses another, trainer/dry_run.py)."""
@@ -147,7 +157,9 @@ class Trainer:
         """The run folder, its log and the config's warnings."""
         cfg, t = self.cfg, self.cfg.training
         resumable = cfg.checkpoint.enable
-        self.run_dir = open_run_folder(cfg.job.dump_folder, resumable, is_rank0(), from_rank0)
+        self.run_dir = open_run_folder(
+            self.replica_groups.run_folder(cfg.job.dump_folder), resumable, is_rank0(), from_rank0
+        )
         setup_logging(self.run_dir / "train.log")
         if not is_rank0():
             logging.getLogger("trainer").setLevel(logging.WARNING)
@@ -183,6 +195,8 @@ class Trainer:
             model, self.parallel_dims, cfg.parallelism, t, cfg.activation_checkpoint, cfg.quantize, cfg.engram,
             self.device.type, hasher,
         )
+        if cfg.fault_tolerance.enable:
+            self.parallel.join_replica_groups(self.replica_groups)
         self._materialize(model)
         model.train()
         if model.engram_layer_ids:  # (a pipeline rank may hold none)
@@ -250,16 +264,22 @@ class Trainer:
             self.train_loader = self._loader(t.dataset, t.dataset_path, "train", infinite=True)
         self.validator = self._build_validator() if cfg.validation.enable else None
 
-    def _batch_split(self) -> dict:
-        """The loaders' batch split and order: this rank's share of the global batch, the seed."""
+    def _batch_split(self, dp: tuple[int, int] | None = None) -> dict:
+        """The loaders' batch split and order: this rank's share of the global batch, the seed.
+        ``dp``: (this rank's data rank, their number); None = the job's."""
         t = self.cfg.training
+        dp_rank, dp_world = dp or (self.dp_rank, self.dp_world)
         return dict(
             batch_size=t.local_batch_size, global_batch_size=self.grad_accum_steps * t.local_batch_size * self.dp_world,
-            dp_rank=self.dp_rank, dp_world_size=self.dp_world, token_group=self.token_group, seed=t.seed,
+            dp_rank=dp_rank, dp_world_size=dp_world, token_group=self.token_group, seed=t.seed,
         )
 
     def _loader(self, dataset: str, path: str | None, split: str, infinite: bool):
+        """Training data (infinite), split over the job's data ranks; validation data (finite) over
+        this replica group's only: with [fault_tolerance] each group scores every validation batch
+        itself (``ParallelStep.step_sum`` is group-local)."""
         t = self.cfg.training
+        dp = None if infinite else self.parallel_dims.dp_rank_and_degree()
         return build_dataloader(
             tokenizer=self.tokenizer,
             dataset=dataset,
@@ -267,7 +287,7 @@ class Trainer:
             seq_len=t.seq_len,
             split=split,
             infinite=infinite,
-            **self._batch_split(),
+            **self._batch_split(dp),
         )
 
     def _build_validator(self) -> Validator | MixtureValidator:
@@ -317,6 +337,20 @@ class Trainer:
             self.step = int(resumed["step"])
             self.nonfinite.load_state_dict(resumed)
             self._note_data_shape_changes(resumed)
+        live = LiveState(
+            self.model, self.optimizer, self.lr_scheduler, self.train_loader, self._train_state, self._load_train_state
+        )
+        self.replica_groups.track(live, self.step)
+
+    def _train_state(self) -> dict:
+        """The counters a checkpoint and a healing replica group carry beside the weights."""
+        return {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()}
+
+    def _load_train_state(self, state: dict) -> None:
+        logger.info("healed: step %d, model, optimizer, schedule and data position from a live replica group",
+                    state["step"])
+        self.step = int(state["step"])
+        self.nonfinite.load_state_dict(state)
 
     def _build_checkpointer(self) -> None:
         """The step counter, the non-finite guard and the checkpointer (nothing loaded yet)."""
@@ -377,17 +411,24 @@ class Trainer:
         # The step's one host read. Checked before the step, so a NaN never reaches the weights
         # nor the MoE bias. The schedule still advances: LR stays a function of the step.
         loss_value, mtp_value, norm_value = self._read_step_values(torch.cat([totals, grad_norm.to(totals).view(1)]))
-        skip = self.nonfinite.should_skip(self.step, loss_value, norm_value)
+        # A step in which a replica group failed is repeated, not skipped: its sums are incomplete.
+        commit = self.replica_groups.should_commit()
+        skip = not commit or self.nonfinite.should_skip(self.step, loss_value, norm_value)
         for hook in self.step_hooks:
             hook.before_optimizer(skip)
         if not skip:
             self.optimizer.step()
         for hook in self.step_hooks:
             hook.after_optimizer(stepped=not skip)
-        self.lr_scheduler.step()
+        if self.replica_groups.committed:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.breakdown.mark("optimizer")
         stats = {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
+        if self.cfg.fault_tolerance.enable:
+            # The live groups, and this step's seconds in the quorum and the commit vote (a heal included).
+            stats["replica_groups"] = self.replica_groups.live
+            stats["quorum_s"] = self.replica_groups.quorum_seconds
         if self.model_args.mtp_depth:
             stats["mtp_loss"] = mtp_value
         return stats
@@ -445,7 +486,7 @@ class Trainer:
         gc.disable()
         # Per device: the step's global tokens over all ranks (TP and CP ranks share tokens).
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * t.seq_len * self.dp_world
-        window = ThroughputWindow(tokens_per_step / self.parallel_dims.world_size, self.flops_per_token, self.peak_flops)
+        window = ThroughputWindow(tokens_per_step / self.job_world_size, self.flops_per_token, self.peak_flops)
         # The groups made after the meshes (pipeline, tokenisation, async checkpoint) too: the first
         # step compiles, and one rank may finish that much later than another.
         self._use_collective_timeout("init_timeout_seconds")
@@ -475,6 +516,8 @@ class Trainer:
     def _train_one_step(self, stop: StopRequest, window: ThroughputWindow) -> str | None:
         """The next step with its checkpoint, logging and validation; returns why to stop, if so."""
         t = self.cfg.training
+        self.replica_groups.start_step(self.step)  # may heal this group: step, weights and data from a live one
+        position = self.train_loader.state_dict()
         self.step += 1
         if self.step % t.gc_freq == 0:
             gc.collect()
@@ -483,6 +526,14 @@ class Trainer:
         batches, data_wait = self.next_microbatches()
         self.breakdown.begin(data_wait)
         stats = self.train_step(batches)
+        if not self.replica_groups.committed:
+            # A replica group failed during the step: no group committed it; it is repeated on the same
+            # batch by the groups of the next quorum.
+            logger.warning("step %d not committed (a replica group failed in it); repeating it", self.step)
+            self.profiler.step_end(self.step)
+            self.step -= 1
+            self.train_loader.load_state_dict(position)
+            return stop.reason()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         window.add(time.perf_counter() - step_start, data_wait)
@@ -490,7 +541,7 @@ class Trainer:
         self.profiler.step_end(self.step)
         stop_reason = stop.reason()
         self.checkpointer.maybe_save(
-            self.step, {"step": self.step, **self.nonfinite.state_dict(), **self._data_shape()},
+            self.step, self._train_state(),
             last=self.step == t.steps, force=stop_reason is not None,
         )
         is_log = is_log_step(self.step, t.steps, self.cfg.metrics.log_freq, stop_reason is not None)
@@ -509,6 +560,7 @@ class Trainer:
         return stop_reason
 
     def close(self) -> None:
+        self.replica_groups.close()
         self.checkpointer.close()
         if self.ema is not None:
             self.ema.close()

@@ -94,7 +94,7 @@ def test_defaults_match_contract():
     assert (cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds) == (300, 100)
     assert set(sections_of(JobConfig)) == {
         "job", "model", "engram", "training", "optimizer", "lr_scheduler", "metrics", "validation", "checkpoint",
-        "ema", "parallelism", "comm", "activation_checkpoint", "profiling", "quantize", "dry_run",
+        "ema", "parallelism", "comm", "fault_tolerance", "activation_checkpoint", "profiling", "quantize", "dry_run",
     }
 
 

@@ -15,6 +15,10 @@ from trainer.config.check import main
 REPO = Path(__file__).resolve().parents[2]
 
 
+# A lighthouse address nothing answers at (a fault-tolerant config's other problems come first).
+FT = ["--fault_tolerance.enable", "--parallelism.dp_replicate", "2", "--fault_tolerance.lighthouse", "http://127.0.0.1:1"]
+
+
 def error(argv):
     with pytest.raises(ConfigError) as err:
         load_config(argv)
@@ -168,9 +172,24 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
             2, ["--restarts=2", "--checkpoint.enable", "--checkpoint.load_step", "4"],
             ["RESTARTS=2 with checkpoint.load_step = 4", "load step 4 again", "drop --checkpoint.load_step"],
         ),
+        # Fault-tolerant replica groups (issue 43): each launch is one dp_replicate slice.
+        (2, ["--fault_tolerance.enable"], ["needs parallelism.dp_replicate >= 2", "--parallelism.dp_replicate 2"]),
+        (
+            2, [*FT, "--fault_tolerance.replica_id", "2"],
+            ["fault_tolerance.replica_id = 2 is not one of the parallelism.dp_replicate = 2", "pick 0 .. 1"],
+        ),
+        (2, [*FT, "--fault_tolerance.min_replicas", "3"], ["min_replicas = 3 is more than", "pick 1 .. 2"]),
+        (2, [*FT, "--parallelism.pp", "2"], ["fault_tolerance with parallelism.pp = 2", "--parallelism.pp 1"]),
+        (2, [*FT, "--optimizer.qk_clip"], ["fault_tolerance with optimizer.qk_clip", "drop --optimizer.qk_clip"]),
+        (2, [*FT, "--job.dry_run"], ["job.dry_run with fault_tolerance", "drop --fault_tolerance.enable"]),
+        (2, [*FT, "--ema.enable"], ["fault_tolerance with ema.enable", "drop --ema.enable"]),
+        # The job's layout is the launch's world times the groups: 2 x 3 ranks cannot hold ep 4.
+        (3, [*FT, "--parallelism.ep", "4"], ["parallelism.ep = 4 must divide dp_shard x cp = 3 x 1"]),
+        (2, ["--fault_tolerance.enable", "--parallelism.dp_replicate", "2"], ["needs the torchft lighthouse's address"]),
     ],
 )
-def test_prelaunch_check_refuses_with_one_line(capsys, tmp_path, world, argv, words):
+def test_prelaunch_check_refuses_with_one_line(capsys, monkeypatch, tmp_path, world, argv, words):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     assert main(["--world-size", str(world), "--job.dump_folder", str(tmp_path / "run"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and err.count("\n") == 1
@@ -279,3 +298,21 @@ def test_prelaunch_check_refuses_a_taken_port_on_the_multinode_rendezvous_host(c
     assert err.startswith(f"config error: MASTER_PORT={port} is in use on this node") and err.count("\n") == 1
     assert "hosts the multi-node rendezvous (NODE_RANK=0); set a free MASTER_PORT, the same on every node" in err
     assert main(["--world-size", "4", f"--rendezvous-host-port={port}", *run]) == 0  # released
+
+
+def test_prelaunch_check_needs_a_lighthouse_that_answers(capsys, tmp_path):
+    """A replica group that cannot reach the lighthouse fails before launch, naming the address; the
+    check is a TCP connect, so a listening socket stands in for the lighthouse here."""
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        address = ["--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
+        assert main(["--world-size", "2", *run, *FT[:-2], *address, "--parallelism.ep", "2"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["--world-size", "2", *run, *FT[:-2], *address]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"fault_tolerance.lighthouse http://127.0.0.1:{port}: no lighthouse answers there" in err
+    assert "torchft_lighthouse --min_replicas 1" in err

@@ -6,9 +6,11 @@ TP/CP splits do not divide, a dump folder that cannot be created, a local datase
 `training.dataset_path` or a `training.dataset_mix` source) that names no file or an empty one,
 with `--free-port` a single-node MASTER_PORT that is taken, with `--rendezvous-host-port` the port
 node 0 of a multi-node job is to host the rendezvous on, taken, with `--restarts N` torchrun
-restarts that could not resume) fails in a second with one `config error: ...` line and exit code
-2, instead of in every rank's traceback. A dry run (`--job.dry_run`) is checked against the world
-it rehearses (`dry_run.world_size`), not N: it runs in one process. `--print-launch` prints how
+restarts that could not resume, with `[fault_tolerance]` a lighthouse address nothing answers at)
+fails in a second with one `config error: ...` line and exit code 2, instead of in every rank's
+traceback. A dry run (`--job.dry_run`) is checked against the world it rehearses
+(`dry_run.world_size`), not N: it runs in one process. With `[fault_tolerance]` N is one replica
+group's and the layout is checked as the job's, N x dp_replicate ranks. `--print-launch` prints how
 run_train.sh is to launch the job (`train` or `dry_run`) on stdout.
 The workers run the same checks again (`Layout.from_job`, `trainer.run_folder.open_run_folder`,
 the data loader).
@@ -36,6 +38,7 @@ from trainer.config.dump_folder import check_dump_folder
 from trainer.config.fields import ConfigError
 from trainer.config.layout import Layout
 from trainer.config.loader import load_config
+from trainer.config.replica_groups import check_lighthouse, job_world_size
 
 USAGE = (
     "usage: python -m trainer.config.check --world-size N [--restarts N] "
@@ -51,8 +54,10 @@ def check_job(argv: list[str], world_size: int, restarts: int = 0) -> str:
     if cfg.job.dry_run:
         check_model_fit(cfg, Layout.from_job(cfg, cfg.dry_run.world_size))
         return "dry_run"
-    check_model_fit(cfg, Layout.from_job(cfg, world_size))
+    check_model_fit(cfg, Layout.from_job(cfg, job_world_size(cfg, world_size)))
     check_dump_folder(cfg.job.dump_folder)
+    if cfg.fault_tolerance.enable:
+        check_lighthouse(cfg.fault_tolerance)
     check_data_files(cfg)
     check_restarts(cfg, restarts)
     return "train"

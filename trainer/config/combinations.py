@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.config.fields import cli_repr, default_of
 from trainer.config.pipeline_layout import PipelinePlan
+from trainer.config.replica_groups import replica_group_problems
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -82,6 +83,7 @@ def combination_problems(cfg: Any) -> list[str]:
             "--dry_run.world_size 1."
         )
     problems += _moe_overlap_problems(cfg)
+    problems += replica_group_problems(cfg)
     return problems
 
 
@@ -115,6 +117,7 @@ def _moe_overlap_problems(cfg: Any) -> list[str]:
 # whereas one turned off on purpose (e.g. --no-validation.enable over a TOML) keeps its settings quietly.
 _GATES = (
     ("engram.enable", lambda c: not c.engram.enable, None),
+    ("fault_tolerance.enable", lambda c: not c.fault_tolerance.enable, None),
     (
         "checkpoint.enable", lambda c: not c.checkpoint.enable,
         ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only"),

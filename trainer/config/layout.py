@@ -10,6 +10,7 @@ The rank layout and the meshes built on it are described in trainer/parallel/par
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -323,6 +324,11 @@ class Layout:
             engram=engram.embedding_parallel_degree if use_engram else 1,
             pipeline=PipelinePlan.from_config(p),
         )
+
+    def replica_group(self):
+        """One ``dp_replicate`` slice of this layout (the world of one fault-tolerant replica group,
+        trainer/config/replica_groups.py): the same degrees inside it, no replicate dim of its own."""
+        return dataclasses.replace(self, dp_replicate=1, world_size=self.world_size // self.dp_replicate)
 
     @classmethod
     def from_job(cls, cfg, world_size: int):

@@ -403,6 +403,17 @@ class Parallelism(Section):
         return degree_problems(self)
 
 
+def _positive_seconds(section: Section, name: str, keys: tuple[str, ...]) -> list[tuple[bool, str]]:
+    """Checks that each of ``keys`` is a finite number of seconds > 0."""
+    return [
+        (
+            math.isfinite(getattr(section, key)) and getattr(section, key) > 0,
+            f"{name}.{key} must be a number of seconds > 0, got {getattr(section, key)}.",
+        )
+        for key in keys
+    ]
+
+
 @dataclass
 class Comm(Section):
     init_timeout_seconds: float = option(
@@ -415,14 +426,34 @@ class Comm(Section):
     )
 
     def problems(self) -> list[str]:
+        return failed_checks(*_positive_seconds(self, "comm", ("init_timeout_seconds", "train_timeout_seconds")))
+
+
+@dataclass
+class FaultTolerance(Section):
+    enable: bool = option(
+        False, "Fault-tolerant replica groups (torchft): this launch is one of parallelism.dp_replicate groups; a "
+        "failed group drops out and the others train on (docs/fault_tolerance.md)"
+    )
+    replica_id: int = option(0, "This launch's replica group, 0 .. parallelism.dp_replicate - 1")
+    min_replicas: int = option(1, "Fewest live replica groups that may commit a step (torchft min_replica_size)")
+    lighthouse: str = option(
+        "", "The torchft lighthouse's address, e.g. http://host:29510; empty = $TORCHFT_LIGHTHOUSE"
+    )
+    quorum_timeout_seconds: float = option(
+        120.0, "Longest wait for a quorum of replica groups at the start of a step (a group that builds its model "
+        "meanwhile joins late)"
+    )
+    timeout_seconds: float = option(
+        30.0, "Longest wait of a cross-group collective, commit vote or live-state transfer; past it the step is "
+        "not committed and the next quorum leaves the silent group out"
+    )
+
+    def problems(self) -> list[str]:
         return failed_checks(
-            *(
-                (
-                    math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
-                    f"comm.{key} must be a number of seconds > 0, got {getattr(self, key)}.",
-                )
-                for key in ("init_timeout_seconds", "train_timeout_seconds")
-            ),
+            (self.replica_id >= 0, f"fault_tolerance.replica_id must be >= 0, got {self.replica_id}."),
+            (self.min_replicas >= 1, f"fault_tolerance.min_replicas must be >= 1, got {self.min_replicas}."),
+            *_positive_seconds(self, "fault_tolerance", ("quorum_timeout_seconds", "timeout_seconds")),
         )
 
 
@@ -530,6 +561,7 @@ class JobConfig:
     ema: Ema = field(default_factory=Ema)
     parallelism: Parallelism = field(default_factory=Parallelism)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)

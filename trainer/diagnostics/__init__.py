@@ -4,10 +4,11 @@
                      ``HostReadCounter`` (Python-level reads of device values)
 * weight_casts.py    ``weight_cast_bytes``: the bytes of low-precision weight copies of one step
 * model_overrides.py ``--model-override key=value`` of the benchmarks (a flavor's fields)
-* launch.py          ``spawn_local`` / ``init_local_gloo`` / ``free_port``: N local gloo ranks
+* launch.py          ``spawn_local`` / ``init_local_gloo`` / ``free_port``: N local gloo ranks;
+                     ``start_lighthouse``: torchft's lighthouse for replica-group runs
 """
 
-from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local
+from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local, start_lighthouse
 from trainer.diagnostics.model_overrides import ModelOverrideError, apply_overrides
 from trainer.diagnostics.step_counters import HostReadCounter, profile_step
 from trainer.diagnostics.weight_casts import weight_cast_bytes
@@ -20,5 +21,6 @@ __all__ = [
     "init_local_gloo",
     "profile_step",
     "spawn_local",
+    "start_lighthouse",
     "weight_cast_bytes",
 ]

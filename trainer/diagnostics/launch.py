@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import queue as queue_lib
+import shutil
 import socket
+import subprocess
 import time
 import traceback
 from typing import Any, Callable, NoReturn
@@ -23,6 +25,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_lighthouse(port: int, *flags: str) -> subprocess.Popen:
+    """torchft's lighthouse binary on ``port`` of this machine, in a session of its own, once it
+    accepts connections (its start imports torch: seconds); ``flags`` add to torchft's example ones."""
+    proc = subprocess.Popen(
+        [shutil.which("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100", *flags,
+         "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the torchft lighthouse did not start on port {port}") from None
+            time.sleep(0.2)
 
 
 def init_local_gloo(rank: int, world: int, port: int) -> None:

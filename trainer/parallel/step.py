@@ -106,9 +106,15 @@ class ParallelStep:
         self.keep_weights = keep_weights_between_microbatches
         self.engram_hasher = engram_hasher
         self.pp = pp
+        self.replica_groups = None
         # Row-sharded Engram tables: each rank's rows count once in the gradient norm.
         lookup = sharded_lookup(model)
         self.table_group = lookup.group if lookup is not None else None
+
+    def join_replica_groups(self, groups) -> None:
+        """Fault-tolerant replica groups (trainer/parallel/replica_groups.py): every global sum and
+        the gradients are also summed over the live groups, after this group's own reductions."""
+        self.replica_groups = groups
 
     @property
     def loss_degree(self) -> int:
@@ -137,7 +143,7 @@ class ParallelStep:
         counts = torch.stack([torch.as_tensor(n, device=device) for n in (n_valid, n_mtp)])
         # Every rank divides by the global counts (all data and context ranks), so the summed
         # gradients are those of the global mean.
-        n_valid, n_mtp = all_reduce_sum(counts, self.loss_mesh).float().unbind()
+        n_valid, n_mtp = self.global_sum(counts).float().unbind()
         return micro, n_valid, n_mtp.clamp_min(1)
 
     def loss_context(self):
@@ -193,16 +199,22 @@ class ParallelStep:
         return {name: value}
 
     def reduce_losses(self, *losses: torch.Tensor) -> torch.Tensor:
-        """Sums of this rank's step losses over all ranks, stacked."""
-        return self.step_sum(torch.stack(losses))
+        """Sums of this rank's step losses over all ranks (and the live replica groups), stacked."""
+        totals = self.step_sum(torch.stack(losses))
+        if self.replica_groups is not None:
+            self.replica_groups.sum_(totals)
+        return totals
 
     def step_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In-place sum of a step value (loss, validation sums) over every rank holding a share of it."""
-        return self.global_sum(tensor)
+        """In-place sum of a step value (loss, validation sums) over every rank holding a share of it,
+        within this replica group: a group validates on its own, outside the groups' lock-step."""
+        return all_reduce_sum(tensor, self.loss_mesh)
 
     def finish_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Makes every gradient final (TP partial sums, Engram table replicas) and clips them by
         their global norm (``max_norm <= 0``: measure only); returns the norm before clipping."""
+        if self.replica_groups is not None:
+            self.replica_groups.sum_grads_(params)
         if self.dims.tp_enabled:
             replicate_partial_grads(params)
         reduce_table_grads(self.model)  # Engram table shards: sum over the ranks holding the same rows
@@ -213,5 +225,9 @@ class ParallelStep:
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over every rank that saw different tokens (the "loss" mesh: data and
-        context ranks); a no-op on one process. MoE token counts and validation sums use it."""
-        return all_reduce_sum(tensor, self.loss_mesh)
+        context ranks, and the live replica groups); a no-op on one process. MoE token counts and
+        validation sums use it."""
+        all_reduce_sum(tensor, self.loss_mesh)
+        if self.replica_groups is not None:
+            self.replica_groups.sum_(tensor)
+        return tensor
