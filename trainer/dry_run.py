@@ -268,10 +268,13 @@ class DryRunTrainer(Trainer):
     def _check_memory_fit(self, available_memory: int | None) -> None:
         """The check a run makes on its GPU (``dry_run.gpu_memory_gib``; refuses what cannot fit),
         and the estimator's figure for this CPU's tensors only (what the tracker counts)."""
-        gpu = int(self.cfg.dry_run.gpu_memory_gib * GiB)
+        self.estimates = self.estimate(int(self.cfg.dry_run.gpu_memory_gib * GiB))
+
+    def estimate(self, gpu: int = 1 << 62) -> dict[str, dict]:
+        """The estimator's figures on CUDA (refused above ``gpu`` bytes) and for this CPU's tensors."""
         fits = (self.cfg, self.model_args, self.parallel_dims)
-        self.estimates["cuda"] = check_fits(*fits, torch.device("cuda"), gpu)
-        self.estimates["tensors"] = check_fits(*fits, torch.device("cpu"), 1 << 62)
+        return {"cuda": check_fits(*fits, torch.device("cuda"), gpu),
+                "tensors": check_fits(*fits, torch.device("cpu"), 1 << 62)}
 
     def _build_model(self, model_args, available_memory) -> None:
         super()._build_model(model_args, available_memory)
@@ -481,8 +484,10 @@ def _report(trainer: DryRunTrainer, rank: int, step: dict, notes: list[str], bui
                  "estimator's assumption): the routing's counts are data, which fake tensors do not hold"]
     # The estimator's figure for this rank's pipeline position (its fullest rank's without pp).
     pp_rank = dims.mesh("pp").get_local_rank() if dims.pp_enabled else 0
-    est = {k: v.get("gib_per_pp_rank", [v["gib"]["total"]])[pp_rank] for k, v in trainer.estimates.items()}
-    cuda_terms = cuda_terms_gib(trainer.estimates["cuda"])
+    # Without training.check_memory_fit the build made no estimate; the report still has one.
+    estimates = trainer.estimates or trainer.estimate()
+    est = {k: v.get("gib_per_pp_rank", [v["gib"]["total"]])[pp_rank] for k, v in estimates.items()}
+    cuda_terms = cuda_terms_gib(estimates["cuda"])
     gpu = trainer.cfg.dry_run.gpu_memory_gib
     need = step["memory"]["total"] + sum(cuda_terms.values())
     return {
