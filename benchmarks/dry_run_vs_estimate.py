@@ -10,6 +10,11 @@ also writes the rows.
     python benchmarks/dry_run_vs_estimate.py --cases debug proxy_1b      # minutes
     python benchmarks/dry_run_vs_estimate.py --cases 671B                 # the 2048-GPU layouts
     python benchmarks/dry_run_vs_estimate.py --real                       # debug: dry run vs real gloo run
+    python benchmarks/dry_run_vs_estimate.py --cases 671B --layouts 1 --ac none full selective op --rank 0
+
+``--ac`` runs every layout once per activation-checkpointing mode, on a GPU large enough that the
+estimator's fit check rehearses it whatever its estimate (the dry run's verdict is not the
+point here). A dry run that ends "does not fit" (exit 3) still reports.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+EXIT_DOES_NOT_FIT = 3  # trainer/dry_run.py's (imported there with torch; this script stays torch-free)
+# --ac: a GPU no estimate exceeds, so every mode is rehearsed.
+ANY_GPU = ["--dry_run.gpu_memory_gib", "100000"]
 DEBUG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256"]
 PROXY = ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "proxy_1b",
          "--training.seq_len", "4096", "--training.mixed_precision_param", "bfloat16"]
@@ -58,9 +66,7 @@ CASES = {
     ],
     "671B": [
         ("pp 16 1F1B x FSDP 128, EP 64", 2048, [*BIG, *PP16, "--parallelism.pp_schedule", "1F1B"]),
-        # Estimated above 80 GiB (the fit check would refuse it): rehearsed as on a 141 GiB GPU.
-        ("pp 16 DualPipeV x FSDP 128, EP 64", 2048, [*BIG, *PP16, "--parallelism.pp_schedule", "DualPipeV",
-                                                     "--dry_run.gpu_memory_gib", "141"]),
+        ("pp 16 DualPipeV x FSDP 128, EP 64", 2048, [*BIG, *PP16, "--parallelism.pp_schedule", "DualPipeV"]),
         ("pp 16 Interleaved1F1B (2 per rank) x FSDP 128, EP 64", 2048,
          [*BIG, *PP16, "--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "2"]),
         ("FSDP 256, EP 64 (no pp)", 256, [*BIG, "--parallelism.dp_shard", "256", "--parallelism.ep", "64",
@@ -76,7 +82,7 @@ def dry_run(name: str, world: int, flags: list[str], out: Path) -> list[dict]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     wall = time.perf_counter() - start
-    if proc.returncode:
+    if proc.returncode not in (0, EXIT_DOES_NOT_FIT):
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     reports = json.loads(out.read_text())
@@ -111,6 +117,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=["debug", "proxy_1b"])
     p.add_argument("--real", action="store_true", help="debug at world 2 and 4: the dry run against a real gloo run")
+    p.add_argument("--layouts", type=int, nargs="+", help="only these layouts of each case (1-based, as listed)")
+    p.add_argument("--ac", nargs="+", default=[], help="activation_checkpoint.mode values, one run of each layout per mode")
+    p.add_argument("--rank", type=int, help="rehearse this rank only (dry_run.rank) instead of the ranks that can peak")
     p.add_argument("--json", default="")
     a = p.parse_args()
     rows = []
@@ -131,9 +140,15 @@ def main() -> int:
                     print(f"| {name} | {world} | {r['rank']} | {got:.4f} | {real[r['rank']]:.4f} | "
                           f"{got / real[r['rank']]:.3f} |")
             return 0
+        rank = ["--dry_run.rank", str(a.rank)] if a.rank is not None else []
         for case in a.cases:
-            for i, (name, world, flags) in enumerate(CASES[case]):
-                rows += dry_run(f"{case}: {name}", world, flags, Path(tmp) / f"{case}{i}.json")
+            for i, (name, world, flags) in enumerate(CASES[case], 1):
+                if a.layouts and i not in a.layouts:
+                    continue
+                for mode in a.ac or [""]:
+                    ac = ["--activation_checkpoint.mode", mode, *ANY_GPU] if mode else []
+                    label = f"{case}: {name}" + (f", AC {mode}" if mode else "")
+                    rows += dry_run(label, world, [*flags, *ac, *rank], Path(tmp) / f"{case}{i}{mode}.json")
     print("| layout | rank (stages) | dry run peak GiB | estimator GiB | estimator / dry run | wall s | RSS GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

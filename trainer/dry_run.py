@@ -24,8 +24,10 @@ How one process stands for 2048 (docs/planning.md):
 * flex attention (CUDA only) runs as sdpa and ``training.compile`` is off: the saved activations'
   shapes are those of the eager model.
 
-Under pipeline parallelism the ranks differ; by default the dry run rehearses the rank holding the
-first stage and the one holding the last (one rank under a V schedule, where they coincide).
+Under pipeline parallelism the ranks differ; by default the dry run rehearses the pp ranks that can
+peak (``peak_pp_ranks``), with ``dry_run.ranks all_stages`` every pp rank. Each rank's measured
+peak plus the CUDA terms (``cuda_terms_gib``) is checked against ``dry_run.gpu_memory_gib``: a rank
+that does not fit makes the dry run end with a one-line verdict and ``EXIT_DOES_NOT_FIT``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, JobConfig
 from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout
-from trainer.config.pipeline_layout import PipelineCosts
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.layout_planner import RESERVE_GIB
 from trainer.memory import GiB, check_fits
 from trainer.model_args import build_model_args, resolve_flavor
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher
@@ -265,10 +268,13 @@ class DryRunTrainer(Trainer):
     def _check_memory_fit(self, available_memory: int | None) -> None:
         """The check a run makes on its GPU (``dry_run.gpu_memory_gib``; refuses what cannot fit),
         and the estimator's figure for this CPU's tensors only (what the tracker counts)."""
-        gpu = int(self.cfg.dry_run.gpu_memory_gib * GiB)
+        self.estimates = self.estimate(int(self.cfg.dry_run.gpu_memory_gib * GiB))
+
+    def estimate(self, gpu: int = 1 << 62) -> dict[str, dict]:
+        """The estimator's figures on CUDA (refused above ``gpu`` bytes) and for this CPU's tensors."""
         fits = (self.cfg, self.model_args, self.parallel_dims)
-        self.estimates["cuda"] = check_fits(*fits, torch.device("cuda"), gpu)
-        self.estimates["tensors"] = check_fits(*fits, torch.device("cpu"), 1 << 62)
+        return {"cuda": check_fits(*fits, torch.device("cuda"), gpu),
+                "tensors": check_fits(*fits, torch.device("cpu"), 1 << 62)}
 
     def _build_model(self, model_args, available_memory) -> None:
         super()._build_model(model_args, available_memory)
@@ -374,19 +380,45 @@ def _snapshot(tracker: MemTracker, kind: str) -> dict[str, int]:
 
 
 def default_ranks(cfg: JobConfig) -> list[int]:
-    """``dry_run.rank``, or: rank 0, and under pipeline parallelism also the first rank of the
-    pipeline rank holding the last stage."""
+    """``dry_run.rank``, or the ranks ``dry_run.ranks`` names: rank 0 without pipelining; under
+    pipelining the first rank of each pp rank that can peak (``peak_pp_ranks``), or of every pp rank
+    (``all_stages``: every stage rehearsed). The data, expert, context and tensor ranks of one pp rank
+    hold equal shares (the all-to-all's split is the balanced one), so one of them stands for all."""
     if cfg.dry_run.rank >= 0:
         return [cfg.dry_run.rank]
     layout = Layout.from_job(cfg, cfg.dry_run.world_size)
     if layout.pp == 1:
         return [0]
-    args = resolve_flavor(cfg)
-    costs = PipelineCosts(**stage_unit_costs(args, cfg.training.seq_len))
     plan = layout.pipeline
-    specs = plan.split(args.n_layers, args.mtp_depth, costs)
-    last = next(r for r in range(plan.pp) if any(s.last for s in plan.rank_stages(specs, r)))
-    return sorted({0, last * (cfg.dry_run.world_size // layout.pp)})
+    pp_ranks = range(plan.pp) if cfg.dry_run.ranks == "all_stages" else peak_pp_ranks(cfg, plan)
+    return [r * (cfg.dry_run.world_size // plan.pp) for r in pp_ranks]
+
+
+def peak_pp_ranks(cfg: JobConfig, plan: PipelinePlan) -> list[int]:
+    """The pp ranks whose memory can be the largest, from the layout: pp ranks whose stages hold the
+    same (embedding, head and MTP, dense blocks, MoE blocks with their experts, Engram blocks,
+    stage by stage) differ only in how many micro-batches of each stage they keep in flight, and
+    that count moves one way along the ranks: under 1F1B, GPipe and the looped schedules rank r
+    keeps no more than rank r - 1, so the lowest rank of each such class peaks; under a V schedule
+    (rank r holds stages r and 2 pp - 1 - r) rank r keeps 2 pp - r - 1 micro-batches of its first
+    stage and r + 1 of its second at the deepest point of the warm-up (torch's ZBV and DualPipeV),
+    a peak linear in r, so the lowest or the highest rank of each class peaks. docs/planning.md."""
+    args = resolve_flavor(cfg)
+    specs = plan.split(args.n_layers, args.mtp_depth, PipelineCosts(**stage_unit_costs(args, cfg.training.seq_len)))
+    engram = set(cfg.engram.layer_ids) if cfg.engram.enable else set()
+
+    def holds(rank: int) -> tuple:
+        return tuple(
+            (s.first, s.last, sum(i < args.n_dense_layers for i in s.layers),
+             sum(i >= args.n_dense_layers for i in s.layers), len(engram.intersection(s.layers)))
+            for s in plan.rank_stages(specs, rank)
+        )
+
+    classes: dict[tuple, list[int]] = {}
+    for rank in range(plan.pp):
+        classes.setdefault(holds(rank), []).append(rank)
+    ends = (min, max) if plan.v_shaped else (min,)
+    return sorted({end(ranks) for ranks in classes.values() for end in ends})
 
 
 def rehearsal_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
@@ -452,8 +484,14 @@ def _report(trainer: DryRunTrainer, rank: int, step: dict, notes: list[str], bui
                  "estimator's assumption): the routing's counts are data, which fake tensors do not hold"]
     # The estimator's figure for this rank's pipeline position (its fullest rank's without pp).
     pp_rank = dims.mesh("pp").get_local_rank() if dims.pp_enabled else 0
-    est = {k: v.get("gib_per_pp_rank", [v["gib"]["total"]])[pp_rank] for k, v in trainer.estimates.items()}
+    # Without training.check_memory_fit the build made no estimate; the report still has one.
+    estimates = trainer.estimates or trainer.estimate()
+    est = {k: v.get("gib_per_pp_rank", [v["gib"]["total"]])[pp_rank] for k, v in estimates.items()}
+    cuda_terms = cuda_terms_gib(estimates["cuda"])
+    gpu = trainer.cfg.dry_run.gpu_memory_gib
+    need = step["memory"]["total"] + sum(cuda_terms.values())
     return {
+        "cuda_terms_gib": cuda_terms, "need_gib": need, "gpu_memory_gib": gpu, "fits": need <= gpu,
         "rank": rank, "world_size": dims.world_size, "layout": dims.describe(), "stages": stages,
         "flavor": trainer.cfg.model.flavor, "memory_gib": step["memory"], "collectives": step["collectives"],
         "estimate_gib": est, "notes": notes, "build_s": build_s, "step_s": step_s,
@@ -476,20 +514,53 @@ def format_report(r: dict) -> str:
         *(f"    {c['collective']:<24} group {c['group_size']:>5}  x{c['count']:<5} {c['bytes'] / 2**20:12.1f} MiB"
           f"  (largest {c['largest_bytes'] / 2**20:.1f} MiB)" for c in r["collectives"]),
         *(f"  note: {n}" for n in r["notes"]),
+        f"  on a {r['gpu_memory_gib']:g} GiB GPU: {m['total']:.2f} GiB measured + "
+        + " + ".join(f"{v:.2f} {k}" for k, v in r["cuda_terms_gib"].items())
+        + f" = {r['need_gib']:.2f} GiB: {'fits' if r['fits'] else 'does not fit'}",
         f"  built in {r['build_s']:.1f} s, step rehearsed in {r['step_s']:.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB",
     ]
     return "\n".join(lines)
 
 
+def cuda_terms_gib(cuda_estimate: dict) -> dict[str, float]:
+    """What a GPU needs beyond the tensors the dry run measures (GiB): the estimator's CUDA terms
+    (trainer/memory.py: the caching allocator's rounding of the parameter-like tensors, the cuBLAS
+    workspace) and the planner's reserve for what torch's allocator does not hold (CUDA context,
+    NCCL buffers, fragmentation; trainer/layout_planner.py)."""
+    g = cuda_estimate["gib"]
+    return {"allocator rounding": g["allocator_rounding"], "cuBLAS workspace": g["cublas_workspace"],
+            "CUDA context, NCCL and fragmentation": RESERVE_GIB}
+
+
+def verdict(reports: list[dict]) -> str:
+    """One line: whether every rehearsed rank's measured peak plus the CUDA terms fits its GPU."""
+    worst = max(reports, key=lambda r: r["need_gib"])
+    where = f"rank {worst['rank']} (pipeline stage(s) {worst['stages']})" if worst["stages"] else f"rank {worst['rank']}"
+    if worst["fits"]:
+        return (f"dry run: fits: every rehearsed rank's measured peak plus the CUDA terms is within "
+                f"{worst['gpu_memory_gib']:g} GiB (largest: {where}, {worst['need_gib']:.1f} GiB)")
+    return (f"dry run: does not fit: {where} needs {worst['need_gib']:.1f} GiB (measured peak "
+            f"{worst['memory_gib']['total']:.1f} + CUDA terms {sum(worst['cuda_terms_gib'].values()):.1f}) > "
+            f"dry_run.gpu_memory_gib {worst['gpu_memory_gib']:g}; lower training.local_batch_size or seq_len, use "
+            f"activation_checkpoint.mode full, or shard over more devices (docs/planning.md)")
+
+
+# The dry run's exit code when a rehearsed rank does not fit (2 is a config error, refused before
+# any rank is built; docs/planning.md).
+EXIT_DOES_NOT_FIT = 3
+
+
 def main(cfg: JobConfig) -> int:
     try:
-        dry_run(cfg)
+        reports = dry_run(cfg)
     except ConfigError as e:
         if dist.is_initialized():
             dist.destroy_process_group()
         from trainer.launch_files import report_user_error
 
         return report_user_error(f"config error: {e}")
-    return 0
+    line = verdict(reports)
+    print(line, flush=True)
+    return 0 if all(r["fits"] for r in reports) else EXIT_DOES_NOT_FIT
 
 

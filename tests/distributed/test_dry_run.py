@@ -21,7 +21,7 @@ import pytest
 
 from trainer.config import load_config
 from trainer.diagnostics import spawn_local
-from trainer.dry_run import default_ranks, dry_run
+from trainer.dry_run import EXIT_DOES_NOT_FIT, default_ranks, dry_run
 from trainer.train import main
 
 DEBUG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64"]
@@ -37,10 +37,11 @@ def _dry(*args: str) -> dict:
     return report
 
 
-def _dry_command(tmp_path: Path, *args: str, ngpu: int = 0) -> list[dict]:
+def _dry_command(tmp_path: Path, *args: str, ngpu: int = 0, fits: bool = True) -> list[dict]:
     """``python -m trainer.train --job.dry_run ...`` in a process of its own, or with `ngpu`
     ``NGPU=ngpu run_train.sh --job.dry_run ...`` (one process all the same, checked against the
-    rehearsed world): its JSON report."""
+    rehearsed world): its JSON report. ``fits``: the verdict expected (exit 0, or exit 3 and a
+    one-line "does not fit")."""
     out = tmp_path / "dry_run.json"
     launcher = ["bash", "run_train.sh"] if ngpu else [sys.executable, "-m", "trainer.train"]
     proc = subprocess.run(
@@ -48,8 +49,11 @@ def _dry_command(tmp_path: Path, *args: str, ngpu: int = 0) -> list[dict]:
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": str(ngpu or 1)}, capture_output=True, text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == (0 if fits else EXIT_DOES_NOT_FIT), proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdict = proc.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("dry run: fits:" if fits else "dry run: does not fit:"), proc.stdout[-3000:]
     reports = json.loads(out.read_text())
+    assert [r["fits"] for r in reports] == [fits] * len(reports)
     # Progress on stderr, a phase a line (stderr is no terminal here: issue 48); stdout holds the
     # reports alone.
     for r in reports:
@@ -71,20 +75,26 @@ def _pairs(collectives: list[dict]) -> Counter:
                      marks=pytest.mark.slow),
         pytest.param(64, ["--parallelism.dp_shard", "32", "--parallelism.ep", "8", "--parallelism.cp", "2"], [],
                      id="64", marks=pytest.mark.slow),
-        # V schedules: rank 0 holds the first and the last stage (the default ranks of the others:
-        # test_default_ranks_are_the_first_and_last_stage_holders).
+        # V schedules: rank 0 holds the first and the last stage, the first rank of pp rank 1 the
+        # middle two; both can peak (test_default_ranks_are_the_pp_ranks_that_can_peak).
+        # On a 1 GiB GPU: the estimate fits, the measured peak plus the 6 GiB CUDA reserve does not.
         pytest.param(8, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.dp_shard",
-                         "4", "--parallelism.ep", "2", "--training.local_batch_size", "4"], [0, 3], id="8_pp",
-                     marks=pytest.mark.slow),
+                         "4", "--parallelism.ep", "2", "--training.local_batch_size", "4", "--dry_run.gpu_memory_gib",
+                         "1"], [[0, 3], [1, 2]], id="8_pp_does_not_fit", marks=pytest.mark.slow),
         pytest.param(64, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--parallelism.dp_shard",
-                          "32", "--parallelism.ep", "8", "--training.local_batch_size", "4"], [0, 3], id="64_pp",
-                     marks=pytest.mark.slow),
+                          "32", "--parallelism.ep", "8", "--training.local_batch_size", "4", "--dry_run.rank", "0"],
+                     [[0, 3]], id="64_pp", marks=pytest.mark.slow),
     ],
 )
 def test_dry_run_builds_the_debug_model_at_world(world, args, stages, tmp_path):
     # The V-schedule case goes through run_train.sh on 2 "GPUs", as a user would start it (issue 44).
-    (r,) = _dry_command(tmp_path, "--dry_run.world_size", str(world), *args, ngpu=2 if stages and world == 8 else 0)
-    assert r["world_size"] == world and r["stages"] == stages
+    fits = "--dry_run.gpu_memory_gib" not in args
+    reports = _dry_command(tmp_path, "--dry_run.world_size", str(world), *args, ngpu=2 if stages and world == 8 else 0,
+                           fits=fits)
+    assert [(r["rank"], r["stages"]) for r in reports] == list(zip(range(0, world, world // len(stages or [[]])),
+                                                                    stages or [[]]))
+    r = reports[0]
+    assert r["world_size"] == world
     pairs = _pairs(r["collectives"])
     cfg = load_config([*DEBUG, "--dry_run.world_size", str(world), *args])
     p = cfg.parallelism
@@ -100,11 +110,25 @@ def test_dry_run_builds_the_debug_model_at_world(world, args, stages, tmp_path):
     assert any("balanced split" in note for note in r["notes"])
 
 
-def test_default_ranks_are_the_first_and_last_stage_holders():
-    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", "--parallelism.pp", "2"])) == [0, 32]
+def test_default_ranks_are_the_pp_ranks_that_can_peak():
+    """One rank per class of pp ranks holding the same (trainer/dry_run.py ``peak_pp_ranks``): the
+    lowest under 1F1B, the lowest and the highest under a V schedule; Engram's blocks make a class."""
+    world = [*DEBUG, "--dry_run.world_size", "64"]
+    assert default_ranks(load_config([*world, "--parallelism.pp", "2"])) == [0, 32]
+    # A V schedule's rank 0 holds the first and the last stage; rank 1 the middle two, and can peak.
     v = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
-    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", *v])) == [0]
-    assert default_ranks(load_config([*DEBUG, "--dry_run.world_size", "64", "--dry_run.rank", "5"])) == [5]
+    assert default_ranks(load_config([*world, *v])) == [0, 32]
+    assert default_ranks(load_config([*world, "--dry_run.rank", "5"])) == [5]
+    pp4 = [*world, "--model.flavor", "16B", "--training.local_batch_size", "8", "--parallelism.pp", "4"]
+    # 1F1B: pp ranks 1 and 2 hold 7 MoE blocks each; rank 1 keeps more micro-batches in flight.
+    one_f_one_b = [*pp4, "--parallelism.pp_layout", "Et*6|t*7|t*7|t*7L"]
+    assert default_ranks(load_config(one_f_one_b)) == [0, 16, 48]
+    assert default_ranks(load_config([*one_f_one_b, "--engram.enable", "--engram.layer_ids", "14"])) == [0, 16, 32, 48]
+    # DualPipeV: pp ranks 1-3 hold 3 + 4 MoE blocks each; the ends of that class, 1 and 3.
+    dual = [*pp4, "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_layout", "Et*2|t*3|t*3|t*3|t*4|t*4|t*4|t*4L"]
+    assert default_ranks(load_config(dual)) == [0, 16, 48]
+    assert default_ranks(load_config([*dual, "--engram.enable", "--engram.layer_ids", "6"])) == [0, 16, 32, 48]
+    assert default_ranks(load_config([*dual, "--dry_run.ranks", "all_stages"])) == [0, 16, 32, 48]
 
 
 @pytest.mark.slow

@@ -529,9 +529,10 @@ class Quantize(Section):
 @dataclass
 class DryRun(Section):
     world_size: int = option(8, "job.dry_run: ranks of the rehearsed world (NNODES x NGPU of the real launch)")
-    rank: int = option(
-        -1, "job.dry_run: the rank to rehearse; -1 = rank 0, or under pipeline parallelism the ranks holding the "
-        "first and the last stage"
+    rank: int = option(-1, "job.dry_run: the one rank to rehearse; -1 = the ranks dry_run.ranks names")
+    ranks: Literal["peak", "all_stages"] = option(
+        "peak", "job.dry_run: peak = rank 0, or under pipelining the pp ranks that can peak (docs/planning.md); "
+        "all_stages = the first rank of every pp rank"
     )
     gpu_memory_gib: float = option(80.0, "job.dry_run: memory of one rehearsed GPU, for the memory-fit check")
     output_json: str = option("", "job.dry_run: also write the report to this JSON file")
