@@ -158,7 +158,6 @@ def test_optimizer_groups_are_keyed_by_name_and_older_index_keyed_checkpoints_re
 
 
 def test_other_world_size_continues_the_rank_that_read_the_same_shard(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
     a = build(tmp_path)
     train_step(a, 1)
     a.loader.shard = 1
@@ -199,9 +198,8 @@ def _saved_two_steps(tmp_path):
     return a, {k: v.clone() for k, v in a.model.state_dict().items()}
 
 
-def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch):
+def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog):
     # A Trainer built earlier in this process stops the run logger from propagating to the root.
-    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
     a, reference = _saved_two_steps(tmp_path)
     train_step(a, 3)
     a.mgr.maybe_save(3, {"step": 3})
@@ -223,8 +221,7 @@ def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog, monkeypatch
         assert torch.equal(value, b.model.state_dict()[key]), key
 
 
-def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+def test_flipped_bytes_are_reported_and_skipped(tmp_path, caplog):
     a = build(tmp_path, async_mode="async")  # the digests are taken in the background write
     train_step(a, 1)
     a.mgr.maybe_save(1, {"step": 1})
@@ -292,8 +289,7 @@ DAMAGED_MARKERS = {
 
 
 @pytest.mark.parametrize("damage", DAMAGED_MARKERS)
-def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, monkeypatch, damage):
-    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, damage):
     _, reference = _saved_two_steps(tmp_path)
     folder = tmp_path / "checkpoint"
     # A damaged newer checkpoint: step-2's files (intact) under step-9, whose marker is damaged.
