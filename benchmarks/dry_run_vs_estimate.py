@@ -10,6 +10,7 @@ also writes the rows.
     python benchmarks/dry_run_vs_estimate.py --cases debug proxy_1b      # minutes
     python benchmarks/dry_run_vs_estimate.py --cases 671B                 # the 2048-GPU layouts
     python benchmarks/dry_run_vs_estimate.py --real                       # debug: dry run vs real gloo run
+    python benchmarks/dry_run_vs_estimate.py --ac modules                 # every layout in one AC mode
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ def main() -> int:
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=["debug", "proxy_1b"])
     p.add_argument("--real", action="store_true", help="debug at world 2 and 4: the dry run against a real gloo run")
     p.add_argument("--json", default="")
+    p.add_argument("--ac", default="", help="activation_checkpoint.mode for every layout (default: each layout's own)")
+    p.add_argument("--recompute-modules", default="deepseek", help="activation_checkpoint.recompute_modules under --ac modules")
     a = p.parse_args()
+    ac_flags = ["--activation_checkpoint.mode", a.ac] if a.ac else []
+    if a.ac == "modules":
+        ac_flags += ["--activation_checkpoint.recompute_modules", a.recompute_modules]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if a.real:
@@ -133,7 +139,7 @@ def main() -> int:
             return 0
         for case in a.cases:
             for i, (name, world, flags) in enumerate(CASES[case]):
-                rows += dry_run(f"{case}: {name}", world, flags, Path(tmp) / f"{case}{i}.json")
+                rows += dry_run(f"{case}: {name}", world, [*flags, *ac_flags], Path(tmp) / f"{case}{i}.json")
     print("| layout | rank (stages) | dry run peak GiB | estimator GiB | estimator / dry run | wall s | RSS GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

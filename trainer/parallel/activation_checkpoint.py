@@ -10,8 +10,9 @@ Modes:
                recomputed. Saving the all-to-all outputs means expert-parallel communication
                is never repeated in backward.
     modules    every block, by part (DeepSeek-V3's selective recompute, named as Megatron-LM's
-               ``recompute_modules``): the ops of the named parts are recomputed, every other op's
-               output is saved (``_PARTS`` says which ops each name covers).
+               ``recompute_modules``): every op of the named parts is recomputed, matmuls and
+               attention included (``_PARTS`` says which ops each name covers); elsewhere op's rule,
+               but the norms' and the experts' activation outputs are kept unless named.
 
 ``checkpoint_wrapper`` keeps state-dict names unchanged (it strips its own prefix), so
 checkpoints are interchangeable across modes.
@@ -119,6 +120,11 @@ _PARTS = {
 }
 
 
+# Parts made of cheap elementwise ops, which ``op`` would recompute: kept unless chosen.
+_CHEAP_PARTS = ("layernorm", "moe_act")
+_REDUCTIONS = {"mean", "sum", "amax", "max", "min"}
+
+
 def _relative(path: str, known: tuple[str, ...]) -> str:
     """``path`` (a compiled graph's module path: ``L['self']._checkpoint_wrapped_module.attn.wq_b``
     or the like) as the block-relative name it ends with, longest first; "" for the block itself."""
@@ -133,6 +139,7 @@ class _PartTracker:
 
     def __init__(self, block: nn.Module, parts: tuple[str, ...]):
         self.parts = parts
+        self.save = _save_list()
         self.moe = bool(getattr(block, "moe_enabled", False))
         named = [(name, module) for name, module in block.named_modules() if name]
         self.known = tuple(sorted((name for name, _ in named), key=len, reverse=True))
@@ -156,17 +163,26 @@ class _PartTracker:
         return self.stack
 
     def policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        """Recompute the ops of the chosen parts; save every other op's outputs, but for in-place
-        and out= ops (the statistics' adds), which a saved output could not replay, factories and
-        views (free to recompute; a saved view of a parameter would pin its version)."""
+        """Recompute every op of the chosen parts. Elsewhere ``op``'s rule: keep the outputs of
+        matmuls, attention kernels and all-to-alls, recompute the cheap ops between them (an
+        output kept that no backward reads, a residual sum, a gather of routed rows, would cost
+        memory that no checkpointing does not), but for the cheap parts not chosen (the norms,
+        the experts' activation), whose results are kept as without checkpointing (their
+        reductions aside: the norm adds its epsilon in place). In-place and out= ops (the
+        statistics' adds), factories and views are always recomputed: a kept output could not
+        replay them, and a kept view of a parameter would pin its version."""
         if func._schema.is_mutable or func.overloadpacket.__name__ in _FACTORIES or _is_view(func):
             return CheckpointPolicy.PREFER_RECOMPUTE
         current = self._current()
-        paths = [path for path, _ in current] or [""]
-        classes = [cls for _, cls in current]
-        if any(_PARTS[part](paths, classes, func, self.moe) for part in self.parts):
+        where = ([path for path, _ in current] or [""], [cls for _, cls in current], func, self.moe)
+        if any(_PARTS[part](*where) for part in self.parts):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        if func in self.save or (
+            any(_PARTS[part](*where) for part in _CHEAP_PARTS if part not in self.parts)
+            and func.overloadpacket.__name__ not in _REDUCTIONS
+        ):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _SkipProfilerOps(TorchDispatchMode):
