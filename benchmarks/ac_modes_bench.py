@@ -26,9 +26,9 @@ import time
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from models.common.rope import precompute_freqs_cis
 from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.model import TransformerBlock
-from models.common.rope import precompute_freqs_cis
 from trainer.config.schema import recompute_module_set
 from trainer.memory import block_activation_bytes
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -90,10 +90,19 @@ def run(args) -> list[dict]:
         # op is left to the estimator's other modes (trainer/memory.py estimates it as full).
         estimate = (
             block_activation_bytes(margs, not args.dense, mode, recompute_module_set(parts)) * tokens
-            if mode != "op" else float("nan")
+            if mode != "op"
+            else float("nan")
         )
-        rows.append({"mode": mode if not parts else f"modules {parts[0]}", "held_mib": held / MiB,
-                     "peak_mib": peak / MiB, "estimate_mib": estimate / MiB, "step": step, "times": []})
+        rows.append(
+            {
+                "mode": mode if not parts else f"modules {parts[0]}",
+                "held_mib": held / MiB,
+                "peak_mib": peak / MiB,
+                "estimate_mib": estimate / MiB,
+                "step": step,
+                "times": [],
+            }
+        )
     for _ in range(args.repeats):
         for row in rows:
             start = time.perf_counter()
@@ -119,13 +128,17 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     rows = run(args)
     base = next(r for r in rows if r["mode"] == "none")
-    print(f"{args.flavor} {'dense' if args.dense else 'MoE'} block, fp32, batch {args.batch} x seq {args.seq_len}, "
-          f"{args.repeats} repeats, {torch.get_num_threads()} threads")
+    print(
+        f"{args.flavor} {'dense' if args.dense else 'MoE'} block, fp32, batch {args.batch} x seq {args.seq_len}, "
+        f"{args.repeats} repeats, {torch.get_num_threads()} threads"
+    )
     print("| mode | held for backward MiB | estimate MiB | peak MiB | step s | step / none |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['held_mib']:.1f} | {r['estimate_mib']:.1f} | {r['peak_mib']:.1f} | "
-              f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |")
+        print(
+            f"| {r['mode']} | {r['held_mib']:.1f} | {r['estimate_mib']:.1f} | {r['peak_mib']:.1f} | "
+            f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
