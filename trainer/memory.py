@@ -379,7 +379,8 @@ def _estimate_share(
         kept = [
             block_activation_bytes(a, k, ac, parts, tp, cp, act_bytes, fp32_norms) * tokens for k in kinds
         ]
-        recomputed = [saved - k for saved, k in zip(per_layer, kept)]
+        # (full's recomputation counted whole, as before this mode: its kept input is small.)
+        recomputed = per_layer if ac == "full" else [saved - k for saved, k in zip(per_layer, kept)]
         act = sum(kept) * in_flight + max(recomputed, default=0.0)
         if zero_bubble:
             # The weight pass recomputes a checkpointed stage once (module docstring): the
