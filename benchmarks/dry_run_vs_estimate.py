@@ -11,6 +11,7 @@ also writes the rows.
     python benchmarks/dry_run_vs_estimate.py --cases 671B                 # the 2048-GPU layouts
     python benchmarks/dry_run_vs_estimate.py --real                       # debug: dry run vs real gloo run
     python benchmarks/dry_run_vs_estimate.py --cases 671B --layouts 1 --ac none full selective op --rank 0
+    python benchmarks/dry_run_vs_estimate.py --ac modules --recompute-modules deepseek   # DeepSeek's set
 
 ``--ac`` runs every layout once per activation-checkpointing mode, on a GPU large enough that the
 estimator's fit check rehearses it whatever its estimate (the dry run's verdict is not the
@@ -121,6 +122,7 @@ def main() -> int:
     p.add_argument("--ac", nargs="+", default=[], help="activation_checkpoint.mode values, one run of each layout per mode")
     p.add_argument("--rank", type=int, help="rehearse this rank only (dry_run.rank) instead of the ranks that can peak")
     p.add_argument("--json", default="")
+    p.add_argument("--recompute-modules", default="deepseek", help="activation_checkpoint.recompute_modules under --ac modules")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +149,8 @@ def main() -> int:
                     continue
                 for mode in a.ac or [""]:
                     ac = ["--activation_checkpoint.mode", mode, *ANY_GPU] if mode else []
+                    if mode == "modules":
+                        ac += ["--activation_checkpoint.recompute_modules", a.recompute_modules]
                     label = f"{case}: {name}" + (f", AC {mode}" if mode else "")
                     rows += dry_run(label, world, [*flags, *ac, *rank], Path(tmp) / f"{case}{i}{mode}.json")
     print("| layout | rank (stages) | dry run peak GiB | estimator GiB | estimator / dry run | wall s | RSS GiB |")

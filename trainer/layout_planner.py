@@ -99,7 +99,7 @@ def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
     the degrees, and the sequences per data rank as ``local_batch_size``)."""
     local = base.local_batch_size
     pp = layout.pipeline.pp
-    for ac in ("none", "full"):
+    for ac in ("none", "modules", "full"):  # modules: DeepSeek's set, the config's default
         if pp == 1:
             for rows in (1, 2, 4, 8):
                 if local % rows == 0:

@@ -9,7 +9,8 @@ in fp32, 4 with `optimizer.state_dtype = "bfloat16"`); under `optimizer.name = "
 matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two moments.
 Activations are estimates of the tensors autograd saves per token and layer
 (listed in `_layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
-`ac="full"` keeps each block's input plus one block's activations during recompute.
+`ac="full"` keeps each block's input plus one block's activations during recompute; `ac="modules"`
+keeps what its per-op policy keeps (`block_activation_bytes`) plus one block's recomputed rest.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
 during backward while the saved activations are released, so the total holds parameters,
 optimizer states and the largest of (gradients + the embedding / head gradient temporaries),
@@ -69,6 +70,7 @@ from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.config.schema import recompute_module_set
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
@@ -142,6 +144,53 @@ def _layer_activation_bytes(
     return (attn + ffn) * act_bytes + norms
 
 
+def block_activation_bytes(
+    a: DeepSeekV3ModelArgs, moe: bool, ac: str, parts: tuple[str, ...] = (), tp: int = 1, cp: int = 1,
+    act_bytes: int = 4, fp32_norms: bool = False,
+) -> float:
+    """Bytes one block holds for its backward per *local* token between its forward and its
+    backward: ``none`` what autograd saves (``_layer_activation_bytes``), ``full`` its input, and
+    ``modules`` (``parts``, named sets expanded) its input plus the outputs its per-op policy keeps
+    (trainer/parallel/activation_checkpoint.py): every matmul's, attention kernel's and
+    all-to-all's outside the chosen parts, and the norms' and experts' activation outputs unless
+    chosen; the cheap ops between them (rope, concatenations, residual sums, gathers of routed
+    rows, routing) are recomputed."""
+    if ac == "none":
+        return _layer_activation_bytes(a, moe, tp, cp, act_bytes, fp32_norms)
+    d, heads = a.dim, a.n_heads / tp
+    if ac == "full":
+        return d / tp * act_bytes
+    if ac != "modules":
+        raise ValueError(f"block_activation_bytes models none, full and modules, not {ac!r}")
+    kept = d / tp  # the block's input, which the checkpoint keeps
+    lse = 0.0  # the attention kernel's fp32 logsumexp, per head
+    if a.q_lora_rank:
+        kept += a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim  # wqkv_a
+    else:
+        kept += heads * a.qk_head_dim + a.kv_lora_rank + a.qk_rope_head_dim  # wq, wkv_a
+    if "mla_up_proj" not in parts:
+        kept += (heads * a.qk_head_dim if a.q_lora_rank else 0) + cp * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    if "core_attn" not in parts:
+        kept += heads * a.qk_head_dim  # the output, v zero-padded to the query width
+        lse = heads * 4
+    kept += d  # wo
+    if moe and "moe" not in parts:
+        m = a.moe
+        kept += m.num_experts + m.top_k * (2 * a.moe_inter_dim + d)  # router logits; w1, w3, w2 of each routed row
+        if "moe_act" not in parts:
+            kept += m.top_k * 2 * a.moe_inter_dim  # silu and the product
+        if m.num_shared_experts and "shared_experts" not in parts:
+            kept += 2 * m.num_shared_experts * a.moe_inter_dim / tp + d
+    elif not moe and "mlp" not in parts:
+        kept += 2 * a.inter_dim / tp + d
+    norms = 0.0
+    if "layernorm" not in parts:  # x^2, x * rstd and its product with the weight of the block's norms
+        widths = 2 * d / tp + a.q_lora_rank + a.kv_lora_rank
+        kept += 3 * widths
+        norms = 2 * 4 * widths if fp32_norms else 0.0
+    return kept * act_bytes + lse + norms
+
+
 MiB = 1024**2
 CUBLAS_WORKSPACE_BYTES = 32 * MiB  # per stream: CUBLAS_WORKSPACE_CONFIG default ":4096:8" (8 x 4 MiB)
 _SMALL_ROUND = 512  # CUDA caching allocator: every size rounds up to 512 bytes
@@ -181,6 +230,7 @@ def estimate(
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
     state_dtype: str = "float32", stage_costs: PipelineCosts | None = None, ep_as_cp: bool = False,
+    recompute_modules: tuple[str, ...] = ("deepseek",),
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -195,7 +245,8 @@ def estimate(
     the fullest rank's, with every rank's total in ``gib_per_pp_rank``. ``stage_costs``: the
     model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
     estimates many layouts of one model; computing them builds the model on the meta device).
-    ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1)."""
+    ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1).
+    ``recompute_modules``: the parts ``ac="modules"`` recomputes (names or sets, as the config)."""
     a = model_args or get_flavor(flavor)
     plan = pipeline or PipelinePlan()
     pp = plan.pp
@@ -211,7 +262,7 @@ def estimate(
               "mixed_precision": mixed_precision, "device_type": device_type}
     share = dict(fsdp=fsdp, ep=ep, tp=tp, cp=cp, seq_len=seq_len, ac=ac, mixed_precision=mixed_precision,
                  device_type=device_type, block_causal_sdpa=block_causal_sdpa, optimizer=optimizer,
-                 state_dtype=state_dtype)
+                 state_dtype=state_dtype, parts=recompute_module_set(recompute_modules) if ac == "modules" else ())
     if pp == 1:
         result = _estimate_share(a, list(range(a.n_layers)), True, True, True, local_batch_size, 1, **share)
         return {"flavor": flavor, "layout": layout, **result}
@@ -269,7 +320,8 @@ def _in_flight(plan: PipelinePlan, rank: int) -> float:
 def _estimate_share(
     a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: float, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
-    block_causal_sdpa: bool, optimizer: str, state_dtype: str, pipelined: bool = False, zero_bubble: bool = False,
+    block_causal_sdpa: bool, optimizer: str, state_dtype: str, parts: tuple[str, ...] = (), pipelined: bool = False,
+    zero_bubble: bool = False,
     stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
@@ -333,13 +385,21 @@ def _estimate_share(
         for moe in set(kinds)
     }
     per_layer = [layer_bytes[k] for k in kinds]
-    if ac == "full":
-        act = len(per_layer) * tokens * a.dim / tp * act_bytes * in_flight + max(per_layer, default=0.0)
+    if ac in ("full", "modules"):
+        # What each block keeps through the step, and what a recomputation brings back (the rest
+        # of its no-checkpointing activations): one block's at a time in its backward.
+        kept_bytes = {
+            moe: block_activation_bytes(a, moe, ac, parts, tp, cp, act_bytes, fp32_norms) * tokens for moe in set(kinds)
+        }
+        kept = [kept_bytes[k] for k in kinds]
+        # (full's recomputation counted whole, as before this mode: its kept input is small.)
+        recomputed = per_layer if ac == "full" else [saved - k for saved, k in zip(per_layer, kept)]
+        act = sum(kept) * in_flight + max(recomputed, default=0.0)
         if zero_bubble:
             # The weight pass recomputes a checkpointed stage once (module docstring): the
             # largest stage's blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
             bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
-            act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(per_layer[i:j]) for i, j in zip(bounds, bounds[1:]))
+            act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
     else:
         act = sum(per_layer) * in_flight
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
@@ -349,7 +409,7 @@ def _estimate_share(
     # The bool mask, and the additive mask in the compute dtype that each sdpa call derives from it
     # and saves for its backward (one per attention held: every block's, or under full AC the one
     # block recomputed).
-    attention_calls = 1 if ac == "full" else len(kinds) * in_flight
+    attention_calls = 1 if ac in ("full", "modules") else len(kinds) * in_flight
     mask = rows * (seq_len / cp) * seq_len * (in_flight + act_bytes * attention_calls) if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
@@ -450,18 +510,19 @@ def available_bytes(device: torch.device) -> tuple[int | None, str]:
 def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device, available: int | None = None) -> dict:
     """Refuses (ConfigError) a run whose estimated peak exceeds the memory available, before the
     model is built. Selective / op activation checkpointing are estimated as full (the lower
-    bound), so only a run that cannot fit is refused. Returns the estimate."""
+    bound), so only a run that cannot fit is refused; ``modules`` as it runs. Returns the estimate."""
     t = cfg.training
     where = str(device)
     if available is None:
         available, where = available_bytes(device)
-    ac = "none" if cfg.activation_checkpoint.mode == "none" else "full"
+    mode = cfg.activation_checkpoint.mode
+    ac = mode if mode in ("none", "modules") else "full"
     est = estimate(
         cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.cp, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
         pipeline=dims.pipeline, optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
-        ep_as_cp=dims.ep_as_cp,
+        ep_as_cp=dims.ep_as_cp, recompute_modules=tuple(cfg.activation_checkpoint.recompute_modules),
     )
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:
@@ -470,7 +531,7 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
                        "stage_unsharded_params", "stage_grad_accumulators"), key=g.get)
         fixes = ["lower training.seq_len or training.local_batch_size"]
         if ac != "full":
-            fixes.append("use activation_checkpoint.mode full")
+            fixes.append("use activation_checkpoint.mode full")  # modules keeps more than full
         elif dims.pipeline.enabled and dims.pipeline.zero_bubble:
             # The weight pass keeps its recomputes (module docstring): full AC is no cure there.
             fixes.append(

@@ -87,7 +87,7 @@ class Plan:
     local_batch_size: int  # sequences per data rank per schedule run (or forward, without pp)
     accumulation: int  # schedule runs (or forwards) per optimizer step
     seq_len: int
-    ac: str  # "none" or "full"
+    ac: str  # "none", "full" or "modules" (DeepSeek's set: norms, MLA up-projections, MoE activation)
     ep_as_cp: bool = False  # the ep ranks split each sequence (cp is 1)
 
     @property
@@ -173,6 +173,15 @@ class ModelFigures:
         return cls(flops_per_token(args, seq_len), count_params(args, include_mtp=args.mtp_depth > 0)[0])
 
 
+def _up_projection_flops(args: DeepSeekV3ModelArgs) -> float:
+    """FLOPs per token that ``modules`` with DeepSeek's set adds in backward: every block's MLA
+    up-projections (``wq_b``, ``wkv_b``) once more; the norms and the experts' activation it also
+    recomputes are elementwise, and its all-to-alls are kept, not repeated."""
+    per_block = args.q_lora_rank * args.n_heads * args.qk_head_dim
+    per_block += args.kv_lora_rank * args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
+    return 2 * per_block * (args.n_layers + args.mtp_depth)
+
+
 def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: ModelFigures | None = None) -> dict:
     """Seconds per optimizer step and its parts (compute, exposed communication, bubble);
     ``figures``: ``ModelFigures.of(args, plan.seq_len)`` where the caller times many layouts."""
@@ -180,7 +189,7 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: Mode
     figures = figures or ModelFigures.of(args, p.seq_len)
     sequences = p.dp * p.local_batch_size * p.accumulation  # global batch
     tokens = sequences * p.seq_len
-    recompute = 4 / 3 if p.ac == "full" else 1.0  # one more forward of the 2 + 4 of training
+    recompute = {"full": 4 / 3, "modules": 1 + _up_projection_flops(args) / figures.flops_per_token}.get(p.ac, 1.0)
     flops = figures.flops_per_token * tokens * recompute / p.gpus
     compute = flops / (hw.peak_flops * hw.compute_efficiency)
 

@@ -118,7 +118,11 @@ LAYOUTS = {
         4, [*_schedule("DualPipeV"), "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
             "--activation_checkpoint.mode", "op"],
     ),
-    "pp_2_zbv_ac_op": (2, [*_schedule("ZBVZeroBubble"), "--training.local_batch_size", "8", "--activation_checkpoint.mode", "op"]),
+    # DeepSeek's selective recompute (`modules`, its default set): the same launch that ran `op`
+    # under ZBV, whose per-op replay it shares; `op` keeps its DualPipeV launch above.
+    "pp_2_zbv_ac_modules": (
+        2, [*_schedule("ZBVZeroBubble"), "--training.local_batch_size", "8", "--activation_checkpoint.mode", "modules"],
+    ),
 }
 SINGLE = (1, ["--training.local_batch_size", "8"])
 # Engram blocks 1 and 3 on different pipeline stages (0-1 | 2-5), tables whole or split over 2 ranks.

@@ -16,6 +16,7 @@ from models.common.forward_stats import forward_statistics
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression
 from models.moe import MoE
+from trainer.config.schema import RECOMPUTE_MODULES
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -29,11 +30,11 @@ ARGS = dataclasses.replace(
 )
 
 
-def _model(mode: str) -> DeepSeekV3Model:
+def _model(mode: str, recompute_modules=("deepseek",)) -> DeepSeekV3Model:
     torch.manual_seed(0)
     model = DeepSeekV3Model(ARGS)
     model.init_weights()
-    apply_activation_checkpointing(model, mode)
+    apply_activation_checkpointing(model, mode, recompute_modules=recompute_modules)
     for module in model.modules():  # QK-clip's recording, as its step hook arms it on a clip step
         if hasattr(module, "record_max_logit"):
             module.record_max_logit = torch.ones((), dtype=torch.bool)
@@ -62,9 +63,14 @@ def _stats(model: DeepSeekV3Model) -> list[torch.Tensor]:
     return [t.clone() for t in forward_statistics(model)]
 
 
-@pytest.mark.parametrize("mode", ["full", "op"])  # selective: full on every N-th block
-def test_a_recomputation_records_nothing_and_changes_no_gradient(mode):
-    reference, checkpointed = _model("none"), _model(mode)
+# selective: full on every N-th block. modules: DeepSeek's set (the cheap parts), and every other
+# part at once (the cheap parts' outputs then kept).
+HEAVY_PARTS = tuple(part for part in RECOMPUTE_MODULES if part not in ("layernorm", "moe_act"))
+
+
+@pytest.mark.parametrize("mode, parts", [("full", ()), ("op", ()), ("modules", ("deepseek",)), ("modules", HEAVY_PARTS)])
+def test_a_recomputation_records_nothing_and_changes_no_gradient(mode, parts):
+    reference, checkpointed = _model("none"), _model(mode, parts)
     _split_backward(reference)
     _split_backward(checkpointed)
     want = _stats(reference)

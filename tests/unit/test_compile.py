@@ -202,3 +202,25 @@ def test_compile_is_scoped_and_refuses_twice():
     before = {k: getattr(torch._dynamo.config, k) for k in compile_dynamo_config()}
     model(_batch(0)[0])
     assert {k: getattr(torch._dynamo.config, k) for k in before} == before
+
+
+@pytest.mark.slow  # compiles the debug model's blocks twice (aot_eager)
+def test_recompute_modules_compiled_match_no_checkpointing():
+    """``activation_checkpoint.mode modules`` around compiled blocks: the loss, the gradients and
+    the routed-token counts are bitwise those of the compiled model without checkpointing
+    (aot_eager: the same eager kernels on the same values, recomputed or not)."""
+    args = _args(n_layers=2, mtp_depth=1)
+    plain, wrapped = _model(args), _model(args)
+    assert apply_activation_checkpointing(wrapped, "modules", recompute_modules=["deepseek"]) == 3
+    torch._dynamo.reset()
+    apply_compile(plain, backend="aot_eager")
+    apply_compile(wrapped, backend="aot_eager")
+    inputs, labels = _batch(0)
+    assert torch.equal(_one_step(wrapped, inputs, labels), _one_step(plain, inputs, labels))
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in wrapped.named_parameters()}
+    for name, p in plain.named_parameters():
+        assert (grads[name] is None) == (p.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(grads[name], p.grad), name
+    for got, want in zip(_moes(wrapped), _moes(plain), strict=True):
+        assert torch.equal(got.tokens_per_expert, want.tokens_per_expert)

@@ -392,6 +392,15 @@ def test_toml_syntax_error(tmp_path):
         (["--optimizer.lr", "0"], "optimizer.lr must be > 0"),
         (["--optimizer.beta2", "1"], "optimizer.beta2 must be in [0, 1)"),
         (["--activation_checkpoint.selective_every", "0"], "activation_checkpoint.selective_every must be >= 1"),
+        (
+            ["--activation_checkpoint.mode", "modules", "--activation_checkpoint.recompute_modules", "layernorm,mla"],
+            "activation_checkpoint.recompute_modules: unknown 'mla'; valid: layernorm, mla_up_proj, core_attn, moe_act, "
+            "mlp, shared_experts, moe, deepseek, megatron_dsv3.",
+        ),
+        (
+            ["--activation_checkpoint.mode", "modules", "--activation_checkpoint.recompute_modules", ""],
+            "activation_checkpoint.recompute_modules is empty in modules mode",
+        ),
         (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds must be a number of seconds > 0, got 0.0"),
         (["--comm.train_timeout_seconds", "-5"], "comm.train_timeout_seconds must be a number of seconds > 0"),
         (["--comm.train_timeout_seconds", "inf"], "comm.train_timeout_seconds must be a number of seconds > 0"),

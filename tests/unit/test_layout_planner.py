@@ -132,3 +132,21 @@ def test_pruning_ranks_exactly_as_estimating_every_layout(monkeypatch):
     assert estimated == every[1] and calls["estimate"] - estimated < estimated
     assert 0 < len(pruned[0]) < pruned[1]
     assert pruned == every
+
+
+def test_modules_recompute_is_enumerated_and_charged_its_up_projections():
+    """The planner lists DeepSeek's selective recompute (``modules``) beside none and full; its
+    printed flags load, and the step-time model charges it the MLA up-projections' FLOPs once more:
+    above no checkpointing, below full's extra forward."""
+    from trainer.config import load_config
+    from trainer.layout_planner import Ranked, candidates
+
+    assert {p.ac for p in candidates("debugmodel", 4, 8, 32, 8)} == {"none", "modules", "full"}
+    args, hw = get_flavor("671B"), Hardware()
+    plans = {ac: Plan(2048, 1, 128, 1, 1, 64, PipelinePlan(pp=16, pp_microbatches=32), 32, 1, 4096, ac)
+             for ac in ("none", "modules", "full")}
+    compute = {ac: step_time(args, plan, hw)["compute_s"] for ac, plan in plans.items()}
+    assert compute["none"] < compute["modules"] < compute["full"]
+    ranked = Ranked(plans["modules"], 0.0, step_time(args, plans["modules"], hw))
+    cfg = load_config(["--model.flavor", "671B", *ranked.flags()])
+    assert cfg.activation_checkpoint.mode == "modules"

@@ -134,6 +134,7 @@ _GATES = (
     ),
     ("quantize.float8", lambda c: not c.quantize.float8, ("recipe", "filter_fqns", "emulate")),
     ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "selective", ("selective_every",)),
+    ("activation_checkpoint.mode", lambda c: c.activation_checkpoint.mode != "modules", ("recompute_modules",)),
     (
         "optimizer.name", lambda c: c.optimizer.name != "muon",
         ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype"),

@@ -122,7 +122,9 @@ def parallelize_stage(
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.mesh("ep"))
     context_parallel = apply_context_parallel(model, dims.mesh("context")) if dims.context_enabled else None
-    apply_activation_checkpointing(model, activation_checkpoint.mode, activation_checkpoint.selective_every)
+    apply_activation_checkpointing(
+        model, activation_checkpoint.mode, activation_checkpoint.selective_every, activation_checkpoint.recompute_modules
+    )
     if training.compile:
         from trainer.parallel.compile import apply_compile
 
