@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from models.deepseek_v3 import flavor_names
@@ -55,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="also report the rank of the best layout with these fields, by their config names "
                         "(e.g. pp=16,ep=64,pp_schedule=DualPipeV)")
     p.add_argument("--json", default="", help="also write the ranked layouts to this JSON file")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="processes that estimate the layouts (default: this machine's cores); the table is the same")
     a = p.parse_args(argv)
     if a.flavor not in flavor_names():
         print(f"error: unknown flavor {a.flavor!r}; available: {', '.join(flavor_names())}", file=sys.stderr)
         return 2
-    if a.gpus < 1 or a.gpu_memory <= 0 or a.gpus_per_node < 1 or a.seq_len < 1 or a.global_batch < 0:
-        print("error: --gpus, --gpu-memory, --gpus-per-node and --seq-len must be positive, --global-batch >= 0",
-              file=sys.stderr)
+    if a.gpus < 1 or a.gpu_memory <= 0 or a.gpus_per_node < 1 or a.seq_len < 1 or a.global_batch < 0 or a.workers < 1:
+        print("error: --gpus, --gpu-memory, --gpus-per-node, --seq-len and --workers must be positive, "
+              "--global-batch >= 0", file=sys.stderr)
         return 2
     try:
         hardware = Hardware(gpus_per_node=a.gpus_per_node).with_overrides(a.set)
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     batch = a.global_batch or 2 * a.gpus
-    ranked, considered = plan_layouts(a.flavor, a.gpus, a.gpu_memory, a.gpus_per_node, a.seq_len, batch, hardware)
+    ranked, considered = plan_layouts(
+        a.flavor, a.gpus, a.gpu_memory, a.gpus_per_node, a.seq_len, batch, hardware, workers=a.workers
+    )
     print(f"{a.flavor} on {a.gpus} GPUs ({a.gpus_per_node} per node, {a.gpu_memory:g} GiB), seq_len {a.seq_len}, "
           f"global batch {batch}: {considered} valid layouts, {len(ranked)} fit")
     if not ranked:

@@ -16,8 +16,11 @@ ranked ones go once more through `load_config` and the same checks, as run_train
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -134,7 +137,7 @@ def _states_gib(est: dict) -> float:
 
 def plan_layouts(
     flavor: str, gpus: int, gpu_memory_gib: float, gpus_per_node: int, seq_len: int, global_batch: int,
-    hardware: Hardware, prune: bool = True,
+    hardware: Hardware, prune: bool = True, workers: int = 1,
 ) -> tuple[list[Ranked], int]:
     """The layouts that fit, fastest first, and how many valid layouts were considered.
 
@@ -142,39 +145,69 @@ def plan_layouts(
     degrees and one pipeline split (differing in the batch rows, the micro-batches and activation
     checkpointing) hold the same parameters, optimizer states and gradients on every rank, so the
     fullest rank's of one of them (``_states_gib``) bounds them all from below. Exact: the ranking
-    is the unpruned one (tests/unit/test_layout_planner.py)."""
+    is the unpruned one (tests/unit/test_layout_planner.py).
+
+    ``workers``: processes that estimate the groups (a group's layouts stay in one process, in
+    order, so the pruning is the same); the result, ties included, does not depend on it."""
     args = get_flavor(flavor)
     costs = PipelineCosts(**stage_unit_costs(args, seq_len))
-    figures = ModelFigures.of(args, seq_len)
-    splits: dict[tuple, str] = {}
-    states: dict[tuple, float] = {}  # per (degrees, pipeline split): the lower bound above
-    ranked, considered = [], 0
     phase(f"plan: listing the layouts of {flavor} on {gpus} GPUs ...")
     plans = list(candidates(flavor, gpus, gpus_per_node, seq_len, global_batch))
-    progress = Progress("plan: layouts estimated", len(plans))
-    for plan in plans:
-        considered += 1
-        progress.update(fit=len(ranked))
+    groups: dict[tuple, list[tuple[int, Plan]]] = {}
+    splits: dict[tuple, str] = {}
+    for index, plan in enumerate(plans):
         pipe = plan.pipeline
         if pipe.enabled:
             key = (pipe.pp, pipe.pp_schedule, pipe.pp_stages_per_rank)
             if key not in splits:
                 splits[key] = _split_string(args, pipe, costs)
-            pipe = dataclasses.replace(pipe, pp_layout=splits[key])
+            plan = dataclasses.replace(plan, pipeline=dataclasses.replace(pipe, pp_layout=splits[key]))
         group = (plan.dp_shard, plan.ep, plan.tp, plan.cp, plan.ep_as_cp, pipe.pp, pipe.pp_schedule,
                  pipe.pp_stages_per_rank)
-        if prune and states.get(group, 0.0) + RESERVE_GIB > gpu_memory_gib:
-            continue
+        groups.setdefault(group, []).append((index, plan))
+    job = functools.partial(
+        _fitting, flavor, seq_len, gpu_memory_gib, hardware, prune, args, costs, ModelFigures.of(args, seq_len)
+    )
+    progress = Progress("plan: layouts estimated", len(plans))
+    found: list[tuple[int, Ranked]] = []
+    with _pool(workers) as pool:
+        for done, fitting in pool(job, list(groups.values())):
+            found += fitting
+            progress.update(done, fit=len(found))
+    progress.close(fit=len(found))
+    # Fastest first; equal times in the order of enumeration, as one process finds them.
+    found.sort(key=lambda item: (item[1].time["seconds"], item[0]))
+    return [ranked for _, ranked in found], len(plans)
+
+
+def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardware, prune: bool, args,
+             costs: PipelineCosts, figures: ModelFigures,
+             group: list[tuple[int, Plan]]) -> tuple[int, list[tuple[int, Ranked]]]:
+    """The layouts of one group (``plan_layouts``) that fit, with their places in the enumeration;
+    and how many layouts the group had."""
+    states = None  # the group's lower bound, from its first estimate
+    fitting = []
+    for index, plan in group:
+        if prune and states is not None and states + RESERVE_GIB > gpu_memory_gib:
+            break  # every later layout of the group is bounded alike
         est = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                       stage_costs=costs, pipeline=pipe, ep_as_cp=plan.ep_as_cp)
-        states.setdefault(group, _states_gib(est))
+                       stage_costs=costs, pipeline=plan.pipeline, ep_as_cp=plan.ep_as_cp)
+        states = _states_gib(est) if states is None else states
         memory = est["gib"]["total"]
-        if memory + RESERVE_GIB > gpu_memory_gib:
-            continue
-        ranked.append(Ranked(plan, memory, step_time(args, plan, hardware, figures)))
-    progress.close(fit=len(ranked))
-    ranked.sort(key=lambda r: r.time["seconds"])
-    return ranked, considered
+        if memory + RESERVE_GIB <= gpu_memory_gib:
+            fitting.append((index, Ranked(plan, memory, step_time(args, plan, hardware, figures))))
+    return len(group), fitting
+
+
+@contextlib.contextmanager
+def _pool(workers: int):
+    """``map(job, items)`` yielding results as they come: in this process for one worker, else in
+    ``workers`` processes (the estimates are pure functions of their arguments)."""
+    if workers <= 1:
+        yield lambda job, items: map(job, items)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield lambda job, items: pool.imap_unordered(job, items, chunksize=8)
 
 
 def check_flags(flavor: str, ranked: Ranked, config_file: str | None = None) -> None:

@@ -150,3 +150,10 @@ def test_modules_recompute_is_enumerated_and_charged_its_up_projections():
     ranked = Ranked(plans["modules"], 0.0, step_time(args, plans["modules"], hw))
     cfg = load_config(["--model.flavor", "671B", *ranked.flags()])
     assert cfg.activation_checkpoint.mode == "modules"
+
+
+def test_two_worker_processes_rank_exactly_as_one():
+    """``workers`` splits the groups over processes: the same ranking, ties in the same order."""
+    one = plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware())
+    two = plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware(), workers=2)
+    assert one == two and one[0]
