@@ -7,8 +7,9 @@ experts) to refuse a layout that does not fit the model before any process start
 
 Shapes of `16B`, `236B` and `671B` are those of DeepSeek-V2-Lite, DeepSeek-V2 and DeepSeek-V3
 (their inference configs), each with its release's YaRN `rope_scaling` (factor 40 over 4096
-original positions, context 163840). `debugmodel` (the dataclass defaults, spelled out) and
-`proxy_1b` are from-scratch shapes with plain RoPE.
+original positions, context 163840). `debugmodel` (the dataclass defaults, spelled out),
+`debugmodel_v3vocab` (the same with V3's vocabulary) and `proxy_1b` are from-scratch shapes with
+plain RoPE.
 """
 
 import difflib
@@ -16,18 +17,22 @@ import difflib
 
 def _table() -> dict[str, dict]:
     """Built on every call: callers get dicts of their own."""
-    return {
-        # Tiny, every feature on (sigmoid group-limited routing, shared experts, expert bias, MTP),
-        # so CPU tests exercise all code paths.
-        "debugmodel": dict(
-            vocab_size=8192, dim=128, inter_dim=384, moe_inter_dim=128, n_layers=6, n_dense_layers=1, n_heads=4,
-            moe=dict(
-                num_experts=8, num_shared_experts=2, top_k=2, score_func="sigmoid", route_norm=True,
-                route_scale=1.0, num_expert_groups=4, num_limited_groups=2, use_grouped_mm=True,
-                load_balance_coeff=1e-3, seq_aux_loss_alpha=0.0,
-            ),
-            q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mtp_depth=1,
+    # Tiny, every feature on (sigmoid group-limited routing, shared experts, expert bias, MTP),
+    # so CPU tests exercise all code paths.
+    debugmodel = dict(
+        vocab_size=8192, dim=128, inter_dim=384, moe_inter_dim=128, n_layers=6, n_dense_layers=1, n_heads=4,
+        moe=dict(
+            num_experts=8, num_shared_experts=2, top_k=2, score_func="sigmoid", route_norm=True,
+            route_scale=1.0, num_expert_groups=4, num_limited_groups=2, use_grouped_mm=True,
+            load_balance_coeff=1e-3, seq_aux_loss_alpha=0.0,
         ),
+        q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mtp_depth=1,
+    )
+    return {
+        "debugmodel": debugmodel,
+        # debugmodel's widths with DeepSeek-V3's vocabulary (its tokenizer's 128,815 ids in V3's 129,280
+        # rows, EOS 1): CPU tests of a run with DeepSeek's real tokenizer.json (docs/continued_pretraining.md).
+        "debugmodel_v3vocab": {**debugmodel, "moe": dict(debugmodel["moe"]), "vocab_size": 129280, "eos_id": 1},
         # V3's structure (sigmoid group-limited routing, q bottleneck, shared expert, MTP) at ~1B total
         # / ~0.3B active parameters with V3's vocabulary: trains at seq 4096 on one 80 GB GPU.
         "proxy_1b": dict(

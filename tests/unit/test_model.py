@@ -89,6 +89,8 @@ def test_flavors_are_fresh_and_valid():
     assert again.moe.top_k == 8 and again.n_layers == 61
     # The torch-free table spells out the debug model, which is also the dataclass defaults.
     assert get_flavor("debugmodel") == DeepSeekV3ModelArgs()
+    # The debug model with DeepSeek-V3's embedding (129,280 rows, EOS 1) and nothing else changed.
+    assert get_flavor("debugmodel_v3vocab") == DeepSeekV3ModelArgs(vocab_size=129280, eos_id=1)
     proxy_total, _ = count_params(get_flavor("proxy_1b"))
     assert 0.8e9 < proxy_total < 1.3e9
 
