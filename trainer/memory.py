@@ -69,8 +69,8 @@ import torch
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError
+from trainer.config.activation_checkpoint import recompute_module_set
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
-from trainer.config.schema import recompute_module_set
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param

@@ -16,7 +16,7 @@ from models.common.forward_stats import forward_statistics
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression
 from models.moe import MoE
-from trainer.config.schema import RECOMPUTE_MODULES
+from trainer.config.activation_checkpoint import RECOMPUTE_MODULES
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md

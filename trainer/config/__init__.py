@@ -9,10 +9,10 @@
 - `check`: the pre-launch check `run_train.sh` runs before starting any process.
 """
 
+from trainer.config.activation_checkpoint import ActivationCheckpoint
 from trainer.config.fields import ConfigError, Section, option, sections_of
 from trainer.config.loader import format_help, from_dict, load_config
 from trainer.config.schema import (
-    ActivationCheckpoint,
     Checkpoint,
     Comm,
     Engram,

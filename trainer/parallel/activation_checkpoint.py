@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.common.forward_stats import forward_statistics
-from trainer.config.schema import RECOMPUTE_MODULES, RECOMPUTE_SETS, ACMode, recompute_module_set
+from trainer.config.activation_checkpoint import RECOMPUTE_MODULES, RECOMPUTE_SETS, ACMode, recompute_module_set
 
 AC_MODES = typing.get_args(ACMode)
 
