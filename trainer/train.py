@@ -22,7 +22,6 @@ import gc
 import logging
 import math
 import os
-import sys
 import time
 
 import torch
@@ -36,19 +35,16 @@ from trainer.config.replica_groups import job_world_size
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.data.mixture import build_mixture_dataloader
 from trainer.distributed import (
-    collective_timeout_message,
     destroy_distributed,
     exit_process,
     from_rank0,
     init_distributed,
-    is_collective_timeout,
-    is_peer_lost,
     is_rank0,
     local_rank_from_env,
     set_collective_timeout,
 )
 from trainer.ema import ParameterEMA
-from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
+from trainer.fault_tolerance import NonFiniteGuard, StopRequest
 from trainer.launch_files import previous_attempt_failure, record_fault_stacks, report_user_error, write_launch_file
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import check_fits
@@ -61,6 +57,7 @@ from trainer.metrics import (
 )
 from trainer.model_args import build_model_args, resolve_flavor
 from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.outcome import build_and_train
 from trainer.parallel import ParallelDims, build_loss_function, materialize, parallelize_model
 from trainer.parallel.replica_groups import LiveState, build_replica_groups
 from trainer.parent_death import die_with_launcher
@@ -583,66 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(cfg.training.time_limit_minutes).install()
     write_launch_file("pid", str(os.getpid()))
     try:
-        return _build_and_train(cfg, stop)
+        return build_and_train(Trainer, cfg, stop)
     finally:
         stop.uninstall()
-
-
-def _build_and_train(cfg: JobConfig, stop: StopRequest) -> int:
-    try:
-        trainer = Trainer(cfg)
-    except ConfigError as e:
-        destroy_distributed()  # a process group made before the mistake was found
-        return report_user_error(f"config error: {e}")
-    except (OSError, ValueError) as e:
-        # Bad paths, files or data options found while building the run: one line, no traceback.
-        destroy_distributed()
-        return report_user_error("error: " + " ".join(str(e).split()))
-    except RuntimeError as e:
-        if not is_collective_timeout(e):
-            raise
-        destroy_distributed()
-        return report_user_error(
-            collective_timeout_message(e, "init_timeout_seconds", cfg.comm.init_timeout_seconds, "while starting")
-        )
-    except KeyboardInterrupt:  # a second Ctrl-C while starting
-        destroy_distributed()
-        print("interrupted while starting; nothing was trained", file=sys.stderr)
-        return 130
-    return run(trainer, stop)
-
-
-def run(trainer: Trainer, stop: StopRequest | None = None) -> int:
-    """Trains a built Trainer (until `stop`, see `Trainer.train`) and closes it; returns the
-    process exit code (0 done or stopped, 2 a setting only the run could find wrong or a collective
-    that timed out, 3 diverged, 130 interrupted)."""
-    try:
-        trainer.train(stop)
-    except ConfigError as e:
-        # A setting that only the run itself can find wrong (e.g. a validation split smaller
-        # than one global batch): one line, as at startup.
-        return report_user_error(f"config error: {e}")
-    except TrainingDiverged as e:  # a RuntimeError: before the timeout clause
-        logger.error("%s; %s. Lower the learning rate for the rerun, or check the data near this step.",
-                     e, trainer.checkpointer.newest_good())
-        return 3
-    except RuntimeError as e:
-        if is_peer_lost(e):
-            logger.error("error: at step %d a collective lost its connection to another rank, which died or was "
-                         "killed (the launcher names it); torch: %s", trainer.step, " ".join(str(e).split())[:200])
-            return 1
-        if not is_collective_timeout(e):
-            raise
-        key = trainer.collective_timeout_key
-        return report_user_error(
-            collective_timeout_message(e, key, getattr(trainer.cfg.comm, key), f"at step {trainer.step}")
-        )
-    except KeyboardInterrupt:
-        logger.warning("interrupted at step %d; exiting", trainer.step)
-        return 130
-    finally:
-        trainer.close()
-    return 0
 
 
 if __name__ == "__main__":

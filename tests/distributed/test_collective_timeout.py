@@ -44,7 +44,8 @@ def _one_rank_stops(rank: int, world: int, port: int, launch_dir: str, dump: str
         WORLD_SIZE=str(world), TRAINER_LAUNCH_DIR=launch_dir,
     )
     from trainer.config import load_config
-    from trainer.train import Trainer, run
+    from trainer.outcome import run
+    from trainer.train import Trainer
 
     report = Path(launch_dir, "attempt0", "rank0.err")  # torchrun's first attempt (trainer/launch_files.py)
 
