@@ -514,7 +514,8 @@ class Trainer:
         """The next step with its checkpoint, logging and validation; returns why to stop, if so."""
         t = self.cfg.training
         self.replica_groups.start_step(self.step)  # may heal this group: step, weights and data from a live one
-        position = self.train_loader.state_dict()
+        # Only replica groups repeat a step (one that a group failed in): only they need its data position.
+        position = self.train_loader.state_dict() if self.cfg.fault_tolerance.enable else None
         self.step += 1
         if self.step % t.gc_freq == 0:
             gc.collect()
