@@ -11,7 +11,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.config import load_config
-from trainer.train import Trainer, run
+from trainer.outcome import run
+from trainer.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4

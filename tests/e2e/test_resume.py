@@ -38,7 +38,8 @@ import torch
 from tests.helpers import flip_bytes, tamper_entry, tamper_metadata
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
-from trainer.train import Trainer, main, run
+from trainer.outcome import run
+from trainer.train import Trainer, main
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
