@@ -96,6 +96,25 @@ def _wait_for(what: str, condition, procs: list[subprocess.Popen], deadline: flo
         time.sleep(0.2)
 
 
+def _meet(procs: list[subprocess.Popen], logs: list[Path], line: str, deadline: float) -> None:
+    """Each launch that has printed ``line`` is paused (SIGSTOP) until every launch has; then all go on."""
+    paused = set()
+    try:
+        while len(paused) < len(procs):
+            for g, (proc, log) in enumerate(zip(procs, logs)):
+                if g not in paused and line in log.read_text():
+                    _signal(proc, signal.SIGSTOP)
+                    paused.add(g)
+                if proc.poll() is not None:
+                    pytest.fail(f"waiting for {line!r}: group {g} ended with {proc.returncode} (log: {log})")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {line!r} from every group")
+            time.sleep(0.05)
+    finally:
+        for g in paused:
+            _signal(procs[g], signal.SIGCONT)
+
+
 def _signal(proc: subprocess.Popen, sig: int) -> None:
     """``sig`` to every process of one launch: the script, torchrun and the workers."""
     for pid in [proc.pid, *descendants(proc.pid)]:
@@ -137,8 +156,8 @@ def scenario(tmp_path_factory):
     )
     port = free_port()
     # A group silent for 3 s drops out of the next quorum; a live group that has not asked for it yet
-    # (one in the middle of a step) is waited for up to 10 s.
-    lighthouse = start_lighthouse(port, "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "3000")
+    # (one in the middle of a step, or still building its model) is waited for up to 60 s.
+    lighthouse = start_lighthouse(port, "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "3000")
     group_args = [*ARGS, *GROUP, "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
     run = root / "run"
     run.mkdir()
@@ -147,6 +166,11 @@ def scenario(tmp_path_factory):
     procs = [_start(run, [*group_args, "--fault_tolerance.replica_id", str(g)], logs[g]) for g in (0, 1)]
     try:
         deadline = time.monotonic() + TIMEOUT
+        # The lighthouse waits for a group only once that group's manager beats, and a launch asks for its
+        # first quorum about a second after its manager starts: were one launch a few seconds behind the
+        # other (a loaded CPU), the first would train its first steps alone. So each group pauses once its
+        # manager is up until the other's is; from there each waits for the other (`--join_timeout_ms`).
+        _meet(procs, logs[:2], "Manager listening", deadline)
         _wait_for(f"group 1 at step {KILL_AT}", lambda: len(_metrics(folders[1])) >= KILL_AT, procs, deadline)
         _kill(procs[1])
         _wait_for(
