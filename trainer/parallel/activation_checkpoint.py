@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.common.forward_stats import forward_statistics
-from trainer.config.activation_checkpoint import ACMode, ActivationCheckpoint, recompute_module_set
+from trainer.config.activation_checkpoint import CHEAP_PARTS, ACMode, ActivationCheckpoint, recompute_module_set
 
 AC_MODES = typing.get_args(ACMode)
 
@@ -141,9 +141,6 @@ _PARTS = {
     "moe": lambda paths, classes, func, moe: moe and "ffn" in paths and not _is_exchange(func),
 }
 
-
-# Parts made of cheap elementwise ops, which ``op`` would recompute: kept unless chosen.
-_CHEAP_PARTS = ("layernorm", "moe_act")
 _REDUCTIONS = {"mean", "sum", "amax", "max", "min"}
 
 
@@ -200,7 +197,7 @@ class _PartTracker:
         if any(_PARTS[part](*where) for part in self.parts):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if func in self.save or (
-            any(_PARTS[part](*where) for part in _CHEAP_PARTS if part not in self.parts)
+            any(_PARTS[part](*where) for part in CHEAP_PARTS if part not in self.parts)
             and func.overloadpacket.__name__ not in _REDUCTIONS
         ):
             return CheckpointPolicy.MUST_SAVE
