@@ -19,7 +19,8 @@ from trainer.step_time import bubble_fraction
 
 def test_every_torch_schedule_has_a_record_that_agrees_with_torch():
     offered = {
-        name for name, cls in vars(torch_schedules).items()
+        name
+        for name, cls in vars(torch_schedules).items()
         if name.startswith("Schedule") and inspect.isclass(cls) and issubclass(cls, torch_schedules._PipelineSchedule)
     }
     assert {s.torch_class for s in SCHEDULES} == offered

@@ -120,28 +120,92 @@ class ScheduleFacts:
 
 
 SCHEDULES: tuple[ScheduleFacts, ...] = (
-    # GPipe: dominated by 1F1B's memory, so the planner skips it.
-    ScheduleFacts("GPipe", "ScheduleGPipe", "single", 1, False, _per_rank, _in_flight_all, _bubble_1f1b, False, ()),
-    ScheduleFacts("1F1B", "Schedule1F1B", "single", 1, False, _per_rank, _in_flight_1f1b, _bubble_1f1b, False, (1,)),
+    # Dominated by 1F1B's memory: the planner skips it.
     ScheduleFacts(
-        "Interleaved1F1B", "ScheduleInterleaved1F1B", "looped", 2, False, _per_rank, _in_flight_interleaved_1f1b,
-        _bubble_interleaved_1f1b, False, (2, 4),
+        name="GPipe",
+        torch_class="ScheduleGPipe",
+        family="single",
+        stages_per_rank=1,
+        split_backward=False,
+        min_microbatches=_per_rank,
+        in_flight=_in_flight_all,
+        bubble=_bubble_1f1b,
+        moe_overlap=False,
+        planned_stages_per_rank=(),
     ),
-    # LoopedBFS: dominated by Interleaved1F1B's bubble.
     ScheduleFacts(
-        "LoopedBFS", "ScheduleLoopedBFS", "looped", 2, False, _per_rank, _in_flight_all, _bubble_1f1b, False, (),
+        name="1F1B",
+        torch_class="Schedule1F1B",
+        family="single",
+        stages_per_rank=1,
+        split_backward=False,
+        min_microbatches=_per_rank,
+        in_flight=_in_flight_1f1b,
+        bubble=_bubble_1f1b,
+        moe_overlap=False,
+        planned_stages_per_rank=(1,),
     ),
     ScheduleFacts(
-        "InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "looped", 2, True, _per_rank,
-        _in_flight_zero_bubble, _bubble_interleaved_zero_bubble, False, (2,),
+        name="Interleaved1F1B",
+        torch_class="ScheduleInterleaved1F1B",
+        family="looped",
+        stages_per_rank=2,
+        split_backward=False,
+        min_microbatches=_per_rank,
+        in_flight=_in_flight_interleaved_1f1b,
+        bubble=_bubble_interleaved_1f1b,
+        moe_overlap=False,
+        planned_stages_per_rank=(2, 4),
+    ),
+    # Dominated by Interleaved1F1B's bubble: the planner skips it.
+    ScheduleFacts(
+        name="LoopedBFS",
+        torch_class="ScheduleLoopedBFS",
+        family="looped",
+        stages_per_rank=2,
+        split_backward=False,
+        min_microbatches=_per_rank,
+        in_flight=_in_flight_all,
+        bubble=_bubble_1f1b,
+        moe_overlap=False,
+        planned_stages_per_rank=(),
+    ),
+    ScheduleFacts(
+        name="InterleavedZeroBubble",
+        torch_class="ScheduleInterleavedZeroBubble",
+        family="looped",
+        stages_per_rank=2,
+        split_backward=True,
+        min_microbatches=_per_rank,
+        in_flight=_in_flight_zero_bubble,
+        bubble=_bubble_interleaved_zero_bubble,
+        moe_overlap=False,
+        planned_stages_per_rank=(2,),
     ),
     # torch asks the V schedules for one micro-batch per stage.
     ScheduleFacts(
-        "ZBVZeroBubble", "ScheduleZBVZeroBubble", "V", 2, True, _per_stage, _in_flight_zero_bubble, _bubble_v, False,
-        (2,),
+        name="ZBVZeroBubble",
+        torch_class="ScheduleZBVZeroBubble",
+        family="V",
+        stages_per_rank=2,
+        split_backward=True,
+        min_microbatches=_per_stage,
+        in_flight=_in_flight_zero_bubble,
+        bubble=_bubble_v,
+        moe_overlap=False,
+        planned_stages_per_rank=(2,),
     ),
     ScheduleFacts(
-        "DualPipeV", "ScheduleDualPipeV", "V", 2, True, _per_stage, _in_flight_zero_bubble, _bubble_v, True, (2,),
+        name="DualPipeV",
+        torch_class="ScheduleDualPipeV",
+        family="V",
+        stages_per_rank=2,
+        split_backward=True,
+        min_microbatches=_per_stage,
+        in_flight=_in_flight_zero_bubble,
+        bubble=_bubble_v,
+        moe_overlap=True,
+        planned_stages_per_rank=(2,),
     ),
 )
 PP_SCHEDULES: tuple[str, ...] = tuple(s.name for s in SCHEDULES)
@@ -162,4 +226,3 @@ def schedule_facts(name: str) -> ScheduleFacts:
 def family_names(family: Family) -> tuple[str, ...]:
     """The schedules of one family, in the table's order."""
     return tuple(s.name for s in SCHEDULES if s.family == family)
-
