@@ -3,8 +3,8 @@ and the split of the model into stages.
 
 The schedules themselves are `torch.distributed.pipelining`'s (trainer/parallel/pipeline.py), their
 facts one record each in trainer/config/schedules.py; this module knows only what each one
-accepts, so the pre-launch check (`python -m trainer.config.check`)
-refuses a layout torch would refuse, in one line, before any process starts.
+accepts, so the pre-launch check (`python -m trainer.config.check`) refuses a layout torch would
+refuse, in one line, before any process starts.
 
 Stage split. A stage is a run of "layer equivalents": `E` (the embedding), `t` (one transformer
 block), `L` (final norm, head, loss and the MTP modules, which need the head). Given each piece's
@@ -33,12 +33,12 @@ def schedule_problems(schedule: str, pp: int, stages_per_rank: int, microbatches
     """What torch's schedule would refuse (or run with an idle rank), one message each."""
     problems = []
     facts = schedule_facts(schedule)
-    if facts.family == "single" and stages_per_rank != 1:
+    if facts.family == "single" and stages_per_rank != facts.stages_per_rank:
         problems.append(
             f"parallelism.pp_schedule = {schedule!r} runs one stage per rank, got pp_stages_per_rank = "
             f"{stages_per_rank}; use 1, or a multi-stage schedule ({', '.join(family_names('looped'))})"
         )
-    if facts.v_shaped and stages_per_rank != 2:
+    if facts.v_shaped and stages_per_rank != facts.stages_per_rank:
         problems.append(
             f"parallelism.pp_schedule = {schedule!r} is a V schedule: it needs exactly 2 stages per rank, got "
             f"pp_stages_per_rank = {stages_per_rank}; set --parallelism.pp_stages_per_rank 2 (or -1)"
