@@ -300,24 +300,9 @@ def estimate(
 
 def _in_flight(plan: PipelinePlan, rank: int) -> float:
     """Micro-batches whose activations pp rank ``rank`` holds at once, in units of all its stages'
-    (a looped schedule's stage chunk is 1/v of them), from torch's warm-up of each schedule:
-
-    * 1F1B: rank r runs pp - r forwards before its first backward (the last rank holds one);
-    * GPipe, LoopedBFS: every forward before the first backward;
-    * Interleaved1F1B: its warm-up's (v - 1) x pp + 2 (pp - 1 - r) stage chunks (torch's
-      ``_get_warmup_ops``), at most all m x v chunks;
-    * the others (zero-bubble, V): up to pp.
-
-    Measured by the dry run (docs/performance.md, "The estimator against the dry run")."""
-    pp, micro, v = plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank
-    if plan.pp_schedule == "1F1B":
-        return min(pp - rank, micro)
-    if plan.pp_schedule in ("GPipe", "LoopedBFS"):
-        return micro
-    if plan.pp_schedule == "Interleaved1F1B":
-        per_round = micro // max(1, micro // pp)
-        return min(micro * v, (v - 1) * per_round + 2 * (pp - 1 - rank)) / v
-    return min(pp, micro)
+    (a looped schedule's stage chunk is 1/v of them): the schedule's ``in_flight``
+    (trainer/config/schedules.py, from torch's warm-up of each schedule)."""
+    return plan.facts.in_flight(plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank, rank)
 
 
 def _recomputed_parts(ac: str, recompute_modules: tuple[str, ...]) -> tuple[str, ...]:
