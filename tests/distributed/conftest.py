@@ -4,8 +4,8 @@ Starting a rank imports torch and the model code (seconds each on 2 cores), more
 these checks take, so the ranks start once per session and run each worker in turn, each in a
 process group of its own (`spawn_local_jobs`): the EP dispatcher against one process
 (test_moe_ep.py), context-parallel MLA (test_cp_attention.py), Engram's sharded tables at world
-size 2 (test_engram_parallel.py) and the EP step's device reads (test_step_sync_ep.py). A
-selection of one of those modules runs all four (about a launch's cost more than it alone).
+sizes 2 and 1 (test_engram_parallel.py) and the EP step's device reads (test_step_sync_ep.py). A
+selection of one of those modules runs them all (about a launch's cost more than it alone).
 """
 
 import cp_attention_worker
@@ -26,6 +26,8 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
         "cp_attention": (cp_attention_worker.run, (cp_attention_worker.CASES,)),
         # Precompute on and off: off changes the exchanges, not the sharding the world sizes vary.
         "engram": (engram_worker.run, ((True, False),)),
+        # The unsharded tables, rank 0 alone in a group of one (rank 1 goes on to the next job).
+        "engram_world_1": (engram_worker.run, ((True,),), 1),
         # Last: a Trainer, which sets the rank's environment (MASTER_PORT, RANK) and its logging.
         "step_sync_ep": (step_sync_worker.run, (str(workdir),)),
     }
