@@ -5,10 +5,11 @@
 * weight_casts.py    ``weight_cast_bytes``: the bytes of low-precision weight copies of one step
 * model_overrides.py ``--model-override key=value`` of the benchmarks (a flavor's fields)
 * launch.py          ``spawn_local`` / ``init_local_gloo`` / ``free_port``: N local gloo ranks;
+                     ``spawn_local_jobs``: several targets, one after another, in one spawn;
                      ``start_lighthouse``: torchft's lighthouse for replica-group runs
 """
 
-from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local, start_lighthouse
+from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local, spawn_local_jobs, start_lighthouse
 from trainer.diagnostics.model_overrides import ModelOverrideError, apply_overrides
 from trainer.diagnostics.step_counters import HostReadCounter, profile_step
 from trainer.diagnostics.weight_casts import weight_cast_bytes
@@ -21,6 +22,7 @@ __all__ = [
     "init_local_gloo",
     "profile_step",
     "spawn_local",
+    "spawn_local_jobs",
     "start_lighthouse",
     "weight_cast_bytes",
 ]
