@@ -134,7 +134,8 @@ def bubble_fraction(pipeline: PipelinePlan, b_share: float) -> float:
     * zero-bubble, one stage per rank's worth of W filling the gaps: (p - 1) (F + B - 2W) / (m (F + B + W))
       (ZB-H1, Qi et al. 2023), floored at 0; InterleavedZeroBubble divided by v;
     * ZBVZeroBubble and DualPipeV (2 stages per rank): the DualPipe table's (PP/2 - 1)(F&B + B - 3W)
-      (DeepSeek-V3 report, table 2) with F&B = F + B (this trainer does not overlap the pair), over
+      (DeepSeek-V3 report, table 2) with F&B = F + B (torch runs the pair one after the other; what
+      ``moe_overlap`` hides is taken off the all-to-all, ``step_time``), over
       m (F + B + W), floored at 0.
     """
     if not pipeline.enabled:
