@@ -7,7 +7,8 @@
 
 * compute: the step's training FLOPs per GPU (``flops_per_token`` x the step's tokens / GPUs, plus
   the forward FLOPs that activation checkpointing recomputes, ``recompute_flops``: every block's
-  under ``full``, the named parts' under ``modules``, once per backward pass that runs the block:
+  under ``full``, the checkpointed blocks' under ``selective``, none under ``op``, the named parts'
+  under ``modules``, once per backward pass that runs the block:
   twice where a zero-bubble schedule splits it, ``recomputes``) over ``peak_flops x compute_efficiency``;
 * communication: for each collective, the bytes one GPU sends over the link its group crosses
   (NVLink inside a node, the network between nodes) at ``link bandwidth x comm_efficiency``.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config.activation_checkpoint import recompute_module_set
-from trainer.config.pipeline_layout import PipelinePlan
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,11 @@ class Plan:
     local_batch_size: int  # sequences per data rank per schedule run (or forward, without pp)
     accumulation: int  # schedule runs (or forwards) per optimizer step
     seq_len: int
-    ac: str  # "none", "full" or "modules" (the parts of ``recompute_modules``)
+    ac: str  # "none", "full", "modules" (the parts of ``recompute_modules``), "op" or "selective"
     ep_as_cp: bool = False  # the ep ranks split each sequence (cp is 1)
     recompute_modules: tuple[str, ...] = ("deepseek",)  # ``modules``' parts, names or sets as the config
     moe_overlap: bool = False  # ``[parallelism] moe_overlap`` (DualPipeV's pairs hide the all-to-all)
+    selective_every: int = 2  # ``selective``: every N-th block a pp rank holds checkpointed
 
     @property
     def pp(self) -> int:
@@ -184,15 +186,22 @@ class ModelFigures:
 
     flops_per_token: float
     params: int  # MTP included
-    block_forward_flops: float  # one forward of every block, MTP's included: what full AC recomputes
+    block_forward: tuple[float, ...]  # one forward of each main block, then of each MTP module's block
+    costs: PipelineCosts  # the trainer's stage split reads them
 
     @classmethod
     def of(cls, args: DeepSeekV3ModelArgs, seq_len: int) -> ModelFigures:
-        blocks = stage_unit_costs(args, seq_len)["blocks"]
-        # An MTP module's block is a MoE block of the main blocks' shape (models/deepseek_v3/mtp.py),
-        # as the last main block is; its training FLOPs are three forwards, as every block's.
-        forward = (sum(blocks) + args.mtp_depth * blocks[-1]) / 3
-        return cls(flops_per_token(args, seq_len), count_params(args, include_mtp=args.mtp_depth > 0)[0], forward)
+        costs = stage_unit_costs(args, seq_len)
+        # A block's training FLOPs are three forwards. An MTP module's block is a MoE block of the
+        # main blocks' shape (models/deepseek_v3/mtp.py), as the last main block is.
+        forward = tuple(c / 3 for c in costs["blocks"]) + (costs["blocks"][-1] / 3,) * args.mtp_depth
+        params = count_params(args, include_mtp=args.mtp_depth > 0)[0]
+        return cls(flops_per_token(args, seq_len), params, forward, PipelineCosts(**costs))
+
+    @property
+    def block_forward_flops(self) -> float:
+        """One forward of every block, MTP's included: what ``full`` recomputes."""
+        return sum(self.block_forward)
 
 
 def part_flops(args: DeepSeekV3ModelArgs, seq_len: int) -> dict[str, float]:
@@ -218,16 +227,32 @@ def part_flops(args: DeepSeekV3ModelArgs, seq_len: int) -> dict[str, float]:
     }
 
 
+def _selective_blocks(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> list[int]:
+    """The main blocks ``selective`` checkpoints: every ``selective_every``-th of each pp rank's,
+    from its first, in the model's order (trainer/parallel/activation_checkpoint.py counts the
+    blocks of the model a rank holds, all its stages' together); MTP's blocks never."""
+    pipe = plan.pipeline
+    held = [range(args.n_layers)]
+    if pipe.enabled:
+        specs = pipe.split(args.n_layers, args.mtp_depth, figures.costs)
+        held = [sorted(i for s in pipe.rank_stages(specs, r) for i in s.layers) for r in range(pipe.pp)]
+    return [i for layers in held for j, i in enumerate(layers) if i < args.n_layers and j % plan.selective_every == 0]
+
+
 def recompute_flops(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> float:
     """Forward FLOPs per token that one recomputation of the checkpointed blocks runs: none without
-    checkpointing, a whole forward of every block under ``full``, the chosen parts' under
-    ``modules`` (``shared_experts`` counted once where ``moe`` is chosen too)."""
-    if plan.ac == "none":
+    checkpointing, a whole forward of every block under ``full`` and of the checkpointed ones under
+    ``selective``, none under ``op`` (it keeps every matmul's and attention's output and recomputes
+    elementwise ops only), the chosen parts' under ``modules`` (``shared_experts`` counted once
+    where ``moe`` is chosen too)."""
+    if plan.ac in ("none", "op"):
         return 0.0
     if plan.ac == "full":
         return figures.block_forward_flops
+    if plan.ac == "selective":
+        return sum(figures.block_forward[i] for i in _selective_blocks(args, plan, figures))
     if plan.ac != "modules":
-        raise ValueError(f"the step-time model times AC none, full and modules, not {plan.ac!r}")
+        raise ValueError(f"the step-time model times AC none, full, selective, op and modules, not {plan.ac!r}")
     parts = recompute_module_set(plan.recompute_modules)
     flops = part_flops(args, plan.seq_len)
     return sum(flops[p] for p in parts if not (p == "shared_experts" and "moe" in parts))
@@ -313,8 +338,12 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: Mode
     local_tokens = p.local_batch_size * p.accumulation * p.seq_len / p.context
     moe_layers = (args.n_layers - args.n_dense_layers + args.mtp_depth) / p.pp
     all_layers = (args.n_layers + args.mtp_depth) / p.pp
-    # Forward, backward and full AC's recomputations (``modules`` keeps the exchanges' outputs).
-    passes = 2 + (rounds if p.ac == "full" else 0)
+    # Forward, backward and the recomputations of the blocks that repeat their exchanges: every
+    # block under full, the checkpointed ones under selective (modules and op keep their outputs).
+    repeated = {"full": 1.0}.get(p.ac, 0.0)
+    if p.ac == "selective":
+        repeated = len(_selective_blocks(args, p, figures)) / (args.n_layers + args.mtp_depth)
+    passes = 2 + rounds * repeated
     # Dispatch and combine per pass: every (token, choice) row of dim in bf16, sent to its expert's rank.
     a2a_bytes = local_tokens / p.tp * args.moe.top_k * args.dim * 2
     ep = passes * 2 * moe_layers * _all_to_all_seconds(a2a_bytes, p.ep, span_ep, hw) * (1 - hw.ep_overlap)

@@ -198,6 +198,21 @@ def test_recompute_flops_per_mode_are_the_recomputed_parts(figures_671b):
                          + args.n_heads * args.v_head_dim * args.dim)
     every = flops("modules", ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", "moe"))
     assert every + kept == pytest.approx(figures.block_forward_flops, rel=1e-4)  # the norms' weights aside
+    # op recomputes elementwise ops only; selective the checkpointed blocks, every N-th of a stage,
+    # MTP's never: every main block at N = 1, blocks 0, 2, ... 60 of one stage at N = 2.
+    assert flops("op") == 0
+    flat = replace(plan, pipeline=PipelinePlan())
+    selective = [recompute_flops(args, replace(flat, ac="selective", selective_every=n), figures) for n in (1, 2)]
+    assert selective[0] == sum(figures.block_forward[: args.n_layers])
+    assert selective[1] == sum(figures.block_forward[0 : args.n_layers : 2])
+    # Under pp the count restarts on each rank (one stage each here): 16 stages of 3-5 blocks at
+    # N = 3 checkpoint each stage's first and fourth, more blocks than every third of the model (21).
+    from trainer.step_time import _selective_blocks
+
+    stages = plan.pipeline.split(args.n_layers, args.mtp_depth, figures.costs)
+    staged = _selective_blocks(args, replace(plan, ac="selective", selective_every=3), figures)
+    assert len(staged) == sum(-(-len([i for i in s.layers if i < args.n_layers]) // 3) for s in stages) > 21
+    assert {s.layers[0] for s in stages} <= set(staged)
 
 
 def test_step_time_charges_each_recomputation_pass(figures_671b):
