@@ -26,18 +26,24 @@ from trainer.layout_planner import check_flags, find, plan_layouts
 from trainer.step_time import Hardware
 
 RECIPE_KEYS = ("pp", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "dp_replicate", "dp_shard", "cp", "tp",
-               "ep", "ep_as_cp", "local_batch_size", "ac")
+               "ep", "ep_as_cp", "local_batch_size", "ac", "recompute_modules", "moe_overlap")
 
 
 def _recipe(text: str) -> dict:
     """``pp=16,ep=64,pp_schedule=DualPipeV`` -> the plan fields to look for, by their config names
-    (``Plan.field``; ``ep_as_cp=1`` or ``0``)."""
+    (``Plan.field``; ``ep_as_cp`` and ``moe_overlap`` 1 or 0; ``recompute_modules`` names joined
+    by ``+``, as the planner lists them: a set's name, ``megatron_dsv3``)."""
     out = {}
     for pair in text.split(","):
         key, _, value = (part.strip() for part in pair.partition("="))
         if key not in RECIPE_KEYS:
             raise ValueError(f"unknown --recipe field {key!r}; the fields: {', '.join(RECIPE_KEYS)}")
-        out[key] = value if key in ("pp_schedule", "ac") else bool(int(value)) if key == "ep_as_cp" else int(value)
+        if key in ("pp_schedule", "ac"):
+            out[key] = value
+        elif key == "recompute_modules":
+            out[key] = tuple(value.split("+"))
+        else:
+            out[key] = bool(int(value)) if key in ("ep_as_cp", "moe_overlap") else int(value)
     return out
 
 

@@ -7,8 +7,11 @@ rank, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) and 1, 2 or 4
 micro-batches per stage of the run; tp up to a node (it divides the heads), cp 1, 2 or 4;
 dp_replicate among the divisors of what is left; ep over the divisors of dp_shard x cp that divide
 the experts, and with cp 1 and ep > 1 also ep_as_cp (the ep ranks split each sequence, and the
-data ranks drop to dp_replicate x dp_shard / ep); activation checkpointing none or full; without pp, the micro-batch rows among 1, 2, 4
-and 8. The batch is the global batch over the data ranks (`Layout.dp_degree`). A candidate is valid when `Layout`
+data ranks drop to dp_replicate x dp_shard / ep); activation checkpointing none, full, or modules
+with each named set of parts (``RECOMPUTE_SETS``: DeepSeek's and Megatron's); DualPipeV without
+checkpointing also with ``moe_overlap`` where the config allows it (ep > 1, tp and cp 1, not
+ep_as_cp; its memory estimated as without, which the dry run put 3.4% low at 16B,
+benchmarks/RESULTS.md); without pp, the micro-batch rows among 1, 2, 4 and 8. The batch is the global batch over the data ranks (`Layout.dp_degree`). A candidate is valid when `Layout`
 accepts its degrees and the model's blocks, heads, experts and sequence (`check_model_fit`, the
 pre-launch check's own), and its batch divides (`Layout.check_batch`); the printed flags of the
 ranked ones go once more through `load_config` and the same checks, as run_train.sh reads them.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, load_config
+from trainer.config.activation_checkpoint import RECOMPUTE_SETS
 from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
@@ -62,6 +66,10 @@ class Ranked:
         out += ["--training.seq_len", str(p.seq_len), "--training.local_batch_size", str(p.local_batch_size),
                 "--training.global_batch_size", str(p.dp * p.local_batch_size * p.accumulation),
                 "--activation_checkpoint.mode", p.ac]
+        if p.ac == "modules":
+            out += ["--activation_checkpoint.recompute_modules", ",".join(p.recompute_modules)]
+        if p.moe_overlap:
+            out += ["--parallelism.moe_overlap"]
         return out
 
 
@@ -97,11 +105,17 @@ def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
     the degrees, and the sequences per data rank as ``local_batch_size``)."""
     local = base.local_batch_size
     pp = layout.pipeline.pp
-    for ac in ("none", "modules", "full"):  # modules: DeepSeek's set, the config's default
+    # recompute_modules stays the config's default where the mode reads none.
+    checkpointing = [dataclasses.replace(base, ac="none"),
+                     *(dataclasses.replace(base, ac="modules", recompute_modules=(name,)) for name in RECOMPUTE_SETS),
+                     dataclasses.replace(base, ac="full")]
+    # moe_overlap's refusals (trainer/config/combinations.py) but for the schedule and AC, below.
+    overlap = base.ep > 1 and base.tp == 1 and base.cp == 1 and not base.ep_as_cp
+    for checkpointed in checkpointing:
         if pp == 1:
             for rows in (1, 2, 4, 8):
                 if local % rows == 0:
-                    yield dataclasses.replace(base, local_batch_size=rows, accumulation=local // rows, ac=ac)
+                    yield dataclasses.replace(checkpointed, local_batch_size=rows, accumulation=local // rows)
             continue
         # Each schedule's planned stages per rank (trainer/config/schedules.py; none for GPipe and
         # LoopedBFS, dominated by 1F1B's memory and Interleaved1F1B's bubble).
@@ -115,7 +129,9 @@ def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
                     dataclasses.replace(layout, pipeline=pipeline).check_stages(shape.n_layers, shape.mtp_depth)
                 except ConfigError:
                     continue
-                yield dataclasses.replace(base, pipeline=pipeline, ac=ac)
+                yield dataclasses.replace(checkpointed, pipeline=pipeline)
+                if overlap and checkpointed.ac == "none" and pipeline.facts.moe_overlap:
+                    yield dataclasses.replace(checkpointed, pipeline=pipeline, moe_overlap=True)
 
 
 def _split_string(args, pipeline: PipelinePlan, costs: PipelineCosts) -> str:
@@ -184,11 +200,18 @@ def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardwar
     and how many layouts the group had."""
     states = None  # the group's lower bound, from its first estimate
     fitting = []
+    est = None
     for index, plan in group:
         if prune and states is not None and states + RESERVE_GIB > gpu_memory_gib:
             break  # every later layout of the group is bounded alike
+        if plan.moe_overlap:  # not in the estimator: the plain layout's, enumerated just before
+            memory = est["gib"]["total"]
+            if memory + RESERVE_GIB <= gpu_memory_gib:
+                fitting.append((index, Ranked(plan, memory, step_time(args, plan, hardware, figures))))
+            continue
         est = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                       stage_costs=costs, pipeline=plan.pipeline, ep_as_cp=plan.ep_as_cp)
+                       stage_costs=costs, pipeline=plan.pipeline, ep_as_cp=plan.ep_as_cp,
+                       recompute_modules=plan.recompute_modules)
         states = _states_gib(est) if states is None else states
         memory = est["gib"]["total"]
         if memory + RESERVE_GIB <= gpu_memory_gib:

@@ -6,7 +6,10 @@
                 + the data-parallel communication that the compute does not hide
 
 * compute: the step's training FLOPs per GPU (``flops_per_token`` x the step's tokens / GPUs, plus
-  one more forward under full activation checkpointing) over ``peak_flops x compute_efficiency``;
+  the forward FLOPs that activation checkpointing recomputes, ``recompute_flops``: every block's
+  under ``full``, the checkpointed blocks' under ``selective``, none under ``op``, the named parts'
+  under ``modules``, once per backward pass that runs the block:
+  twice where a zero-bubble schedule splits it, ``recomputes``) over ``peak_flops x compute_efficiency``;
 * communication: for each collective, the bytes one GPU sends over the link its group crosses
   (NVLink inside a node, the network between nodes) at ``link bandwidth x comm_efficiency``.
   The expert all-to-all, tensor- and context-parallel collectives and the pipeline's
@@ -14,7 +17,10 @@
   reduce-scatters and HSDP's all-reduce are prefetched or overlapped with the compute, up to
   ``fsdp_overlap`` of it;
 * the bubble: the schedule's formula (``bubble_fraction``) with a backward split into input and
-  weight gradients of ``backward_input_share`` and the rest.
+  weight gradients of ``backward_input_share`` and the rest;
+* DualPipeV with ``moe_overlap``: its overlapped forward/backward pairs hide ``moe_overlap_hiding``
+  (measured, benchmarks/RESULTS.md) of what they could, the lesser of the pairs' all-to-all and
+  their compute (``overlapped_pairs``).
 
 Ranks are laid out as the trainer lays them out (trainer/parallel/parallel_dims.py): tp fastest,
 then cp, dp_shard, dp_replicate, pp; the expert grid reads the data ranks as [efsdp, ep] with ep
@@ -27,7 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
-from trainer.config.pipeline_layout import PipelinePlan
+from models.deepseek_v3.stats import stage_unit_costs
+from trainer.config.activation_checkpoint import recompute_module_set
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,15 @@ class Hardware:
     """Share of the compute FSDP's prefetched all-gathers and overlapped reduce-scatters can hide
     behind (FSDP2 prefetches one block ahead)."""
     ep_overlap: float = 0.0
-    """Share of the expert all-to-all hidden behind compute: none in this trainer (torch's
-    DualPipeV runs overlapped forward/backward pairs one after the other, REFERENCES.md)."""
+    """Share of the expert all-to-all hidden behind compute in every layout: none (torch's DualPipeV
+    runs its overlapped forward/backward pairs one after the other, REFERENCES.md); what
+    ``moe_overlap`` hides is ``moe_overlap_hiding``'s."""
+    moe_overlap_hiding: float = 0.4
+    """Share of the ideal that DualPipeV's pairs hide under ``moe_overlap`` (the ideal: each paired
+    exchange hidden up to the other micro-batch's compute beside it). Measured on CPU with injected
+    delays (benchmarks/RESULTS.md, "Hiding the MoE all-to-all under DualPipeV", runs 2 and 3, seq
+    512): 0.39-0.46 by step times, 0.66-0.90 by the trace; the step times' lower end, as no GPU
+    figure exists."""
     backward_input_share: float = 0.6
     """Share of a backward that is the input gradient (the zero-bubble schedules' B; the rest is the
     weight gradient W): a linear layer's backward is two GEMMs of the forward's size (0.5), and
@@ -87,8 +102,11 @@ class Plan:
     local_batch_size: int  # sequences per data rank per schedule run (or forward, without pp)
     accumulation: int  # schedule runs (or forwards) per optimizer step
     seq_len: int
-    ac: str  # "none", "full" or "modules" (DeepSeek's set: norms, MLA up-projections, MoE activation)
+    ac: str  # "none", "full", "modules" (the parts of ``recompute_modules``), "op" or "selective"
     ep_as_cp: bool = False  # the ep ranks split each sequence (cp is 1)
+    recompute_modules: tuple[str, ...] = ("deepseek",)  # ``modules``' parts, names or sets as the config
+    moe_overlap: bool = False  # ``[parallelism] moe_overlap`` (DualPipeV's pairs hide the all-to-all)
+    selective_every: int = 2  # ``selective``: every N-th block a pp rank holds checkpointed
 
     @property
     def pp(self) -> int:
@@ -112,7 +130,9 @@ class Plan:
 def bubble_fraction(pipeline: PipelinePlan, b_share: float) -> float:
     """Idle time over useful time of one run of ``pipeline``'s schedule: the schedule's ``bubble``
     formula (trainer/config/schedules.py) with F, B, W one micro-batch's forward, input gradient
-    and weight gradient on one stage, in units of F (B + W = 2, B = 2 ``b_share``)."""
+    and weight gradient on one stage, in units of F (B + W = 2, B = 2 ``b_share``). DualPipeV's
+    F&B pair counts as F + B (torch runs it one after the other); what ``moe_overlap`` hides is
+    taken off the all-to-all (``step_time``)."""
     if not pipeline.enabled:
         return 0.0
     f, b = 1.0, 2.0 * b_share
@@ -143,24 +163,118 @@ def _all_to_all_seconds(nbytes: float, group: int, span: int, hw: Hardware) -> f
 
 @dataclass(frozen=True)
 class ModelFigures:
-    """What the step-time model reads of a model at a sequence length. Both counts build the model
+    """What the step-time model reads of a model at a sequence length. The counts build the model
     on the meta device (models/deepseek_v3/stats.py), most of a planner's time if done per layout."""
 
     flops_per_token: float
     params: int  # MTP included
+    block_forward: tuple[float, ...]  # one forward of each main block, then of each MTP module's block
+    costs: PipelineCosts  # the trainer's stage split reads them
 
     @classmethod
     def of(cls, args: DeepSeekV3ModelArgs, seq_len: int) -> ModelFigures:
-        return cls(flops_per_token(args, seq_len), count_params(args, include_mtp=args.mtp_depth > 0)[0])
+        costs = stage_unit_costs(args, seq_len)
+        # A block's training FLOPs are three forwards. An MTP module's block is a MoE block of the
+        # main blocks' shape (models/deepseek_v3/mtp.py), as the last main block is.
+        forward = tuple(c / 3 for c in costs["blocks"]) + (costs["blocks"][-1] / 3,) * args.mtp_depth
+        params = count_params(args, include_mtp=args.mtp_depth > 0)[0]
+        return cls(flops_per_token(args, seq_len), params, forward, PipelineCosts(**costs))
+
+    @property
+    def block_forward_flops(self) -> float:
+        """One forward of every block, MTP's included: what ``full`` recomputes."""
+        return sum(self.block_forward)
 
 
-def _up_projection_flops(args: DeepSeekV3ModelArgs) -> float:
-    """FLOPs per token that ``modules`` with DeepSeek's set adds in backward: every block's MLA
-    up-projections (``wq_b``, ``wkv_b``) once more; the norms and the experts' activation it also
-    recomputes are elementwise, and its all-to-alls are kept, not repeated."""
-    per_block = args.q_lora_rank * args.n_heads * args.qk_head_dim
-    per_block += args.kv_lora_rank * args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
-    return 2 * per_block * (args.n_layers + args.mtp_depth)
+def part_flops(args: DeepSeekV3ModelArgs, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of each ``recompute_modules`` part over every block (MTP's
+    included), by what trainer/parallel/activation_checkpoint.py recomputes for it; the FLOPs
+    convention of ``flops_per_token`` (2 per weight, the attention scores unhalved). ``layernorm``
+    and ``moe_act`` are elementwise (no FLOPs in the convention); ``moe`` holds its shared experts."""
+    m = args.moe
+    blocks = args.n_layers + args.mtp_depth
+    moe_blocks = args.n_layers - args.n_dense_layers + args.mtp_depth
+    up = args.kv_lora_rank * args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)  # wkv_b
+    if args.q_lora_rank:
+        up += args.q_lora_rank * args.n_heads * args.qk_head_dim  # wq_b (without a q latent, wq is no part)
+    shared = 2 * 3 * args.dim * args.moe_inter_dim * m.num_shared_experts * moe_blocks
+    return {
+        "layernorm": 0.0,
+        "mla_up_proj": 2 * up * blocks,
+        "core_attn": 2 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len * blocks,
+        "moe_act": 0.0,
+        "mlp": 2 * 3 * args.dim * args.inter_dim * args.n_dense_layers,
+        "shared_experts": shared,
+        "moe": 2 * (args.dim * m.num_experts + 3 * args.dim * args.moe_inter_dim * m.top_k) * moe_blocks + shared,
+    }
+
+
+def _selective_blocks(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> list[int]:
+    """The main blocks ``selective`` checkpoints: every ``selective_every``-th of each pp rank's,
+    from its first, in the model's order (trainer/parallel/activation_checkpoint.py counts the
+    blocks of the model a rank holds, all its stages' together); MTP's blocks never."""
+    pipe = plan.pipeline
+    held = [range(args.n_layers)]
+    if pipe.enabled:
+        specs = pipe.split(args.n_layers, args.mtp_depth, figures.costs)
+        held = [sorted(i for s in pipe.rank_stages(specs, r) for i in s.layers) for r in range(pipe.pp)]
+    return [i for layers in held for j, i in enumerate(layers) if i < args.n_layers and j % plan.selective_every == 0]
+
+
+def recompute_flops(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> float:
+    """Forward FLOPs per token that one recomputation of the checkpointed blocks runs: none without
+    checkpointing, a whole forward of every block under ``full`` and of the checkpointed ones under
+    ``selective``, none under ``op`` (it keeps every matmul's and attention's output and recomputes
+    elementwise ops only), the chosen parts' under ``modules`` (``shared_experts`` counted once
+    where ``moe`` is chosen too)."""
+    if plan.ac in ("none", "op"):
+        return 0.0
+    if plan.ac == "full":
+        return figures.block_forward_flops
+    if plan.ac == "selective":
+        return sum(figures.block_forward[i] for i in _selective_blocks(args, plan, figures))
+    if plan.ac != "modules":
+        raise ValueError(f"the step-time model times AC none, full, selective, op and modules, not {plan.ac!r}")
+    parts = recompute_module_set(plan.recompute_modules)
+    flops = part_flops(args, plan.seq_len)
+    return sum(flops[p] for p in parts if not (p == "shared_experts" and "moe" in parts))
+
+
+def _dualpipev_counts(pp: int, microbatches: int) -> list[tuple[int, int]]:
+    """Per rank of torch's DualPipeV (``ScheduleDualPipeV._calculate_single_rank_operations``, torch
+    2.13; tests/unit/test_layout_planner.py counts its actions): its ``OVERLAP_F_B`` pairs and its
+    split backwards (``BACKWARD_INPUT``, each with a later ``BACKWARD_WEIGHT``) of its 2 x
+    ``microbatches``; the other backwards run whole. Rank r pairs in its main step (two a round,
+    but the last rank's first) and in its step 5; it splits in its step 3, and in steps 6 and 7
+    from the middle of step 6 on (stage 1 first on odd ranks)."""
+    counts = []
+    for r in range(pp):
+        pairs = 2 * (microbatches - 2 * pp + r + 1) - (r == pp - 1) + (pp - r - 1)
+        split = 2 * (pp - r - 1) + 2 * (r + 1 - (r + 1) // 2) - (r % 2 == 0)
+        counts.append((pairs, split))
+    return counts
+
+
+def recomputes(pipeline: PipelinePlan) -> float:
+    """Recomputations of a checkpointed block per micro-batch, averaged over the pipeline ranks:
+    one per backward pass that runs the block. A split backward (input, then weight gradients)
+    recomputes it for each (trainer/parallel/pipeline_step.py ``weight_pass``: at most once more):
+    every backward of ZBVZeroBubble and InterleavedZeroBubble, DualPipeV's split ones."""
+    if not (pipeline.enabled and pipeline.zero_bubble):
+        return 1.0
+    if not pipeline.facts.moe_overlap:  # no OVERLAP_F_B pairs, whose backwards run whole: all split
+        return 2.0
+    counts = _dualpipev_counts(pipeline.pp, pipeline.pp_microbatches)
+    return 1.0 + sum(split for _, split in counts) / len(counts) / (2 * pipeline.pp_microbatches)
+
+
+def overlapped_pairs(pipeline: PipelinePlan) -> float:
+    """Share of a rank's forwards (and of its backwards) that DualPipeV runs in overlapped pairs,
+    averaged over the pipeline ranks; 0 under any other schedule."""
+    if not pipeline.enabled or not pipeline.facts.moe_overlap:  # the schedules with OVERLAP_F_B actions
+        return 0.0
+    counts = _dualpipev_counts(pipeline.pp, pipeline.pp_microbatches)
+    return sum(pairs for pairs, _ in counts) / len(counts) / (2 * pipeline.pp_microbatches)
 
 
 def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: ModelFigures | None = None) -> dict:
@@ -170,7 +284,8 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: Mode
     figures = figures or ModelFigures.of(args, p.seq_len)
     sequences = p.dp * p.local_batch_size * p.accumulation  # global batch
     tokens = sequences * p.seq_len
-    recompute = {"full": 4 / 3, "modules": 1 + _up_projection_flops(args) / figures.flops_per_token}.get(p.ac, 1.0)
+    rounds = recomputes(pipe) if p.ac != "none" else 0.0  # recomputations per micro-batch
+    recompute = 1 + rounds * recompute_flops(args, p, figures) / figures.flops_per_token
     flops = figures.flops_per_token * tokens * recompute / p.gpus
     compute = flops / (hw.peak_flops * hw.compute_efficiency)
 
@@ -205,10 +320,19 @@ def step_time(args: DeepSeekV3ModelArgs, plan: Plan, hw: Hardware, figures: Mode
     local_tokens = p.local_batch_size * p.accumulation * p.seq_len / p.context
     moe_layers = (args.n_layers - args.n_dense_layers + args.mtp_depth) / p.pp
     all_layers = (args.n_layers + args.mtp_depth) / p.pp
-    passes = 3 if p.ac == "full" else 2  # forward, backward (and the recompute's forward)
+    # Forward, backward and the recomputations of the blocks that repeat their exchanges: every
+    # block under full, the checkpointed ones under selective (modules and op keep their outputs).
+    repeated = {"full": 1.0}.get(p.ac, 0.0)
+    if p.ac == "selective":
+        repeated = len(_selective_blocks(args, p, figures)) / (args.n_layers + args.mtp_depth)
+    passes = 2 + rounds * repeated
     # Dispatch and combine per pass: every (token, choice) row of dim in bf16, sent to its expert's rank.
     a2a_bytes = local_tokens / p.tp * args.moe.top_k * args.dim * 2
     ep = passes * 2 * moe_layers * _all_to_all_seconds(a2a_bytes, p.ep, span_ep, hw) * (1 - hw.ep_overlap)
+    if p.moe_overlap and pipe.enabled and pipe.facts.moe_overlap:
+        # The pairs' exchanges run beside the other micro-batch's compute: ideally hidden up to it.
+        paired = overlapped_pairs(pipe)
+        ep -= hw.moe_overlap_hiding * min(paired * ep, paired * compute)
     # Sequence-parallel TP: an all-gather and a reduce-scatter of the block's input per attention and FFN.
     tp = passes * 4 * all_layers * _ring_seconds(local_tokens * args.dim * 2, p.tp, span_tp, hw)
     # Context parallel (cp, or the ep ranks under ep_as_cp): MLA's compressed latent and rope key
