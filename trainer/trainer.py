@@ -68,7 +68,8 @@ logger = logging.getLogger("trainer")
 
 class Trainer:
     """The pieces of one run, built in phases: the process and its run folder, the model, the
-    training pieces (optimizer, schedule, step object, data, validation), observability, resume.
+    training pieces (optimizer, schedule, step object), the data and validation, observability,
+    resume.
 
     Args:
         cfg: the job.
