@@ -19,7 +19,6 @@ if __name__ == "__main__":
 
 import os
 
-from trainer import dry_run
 from trainer.config import ConfigError, load_config
 from trainer.distributed import exit_process
 from trainer.fault_tolerance import StopRequest
@@ -37,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return report_user_error(f"config error: {e}")
     if cfg.job.dry_run:
+        # Imported here: a training run never loads the dry run's measuring tools.
+        from trainer import dry_run
+
         return dry_run.main(cfg)
     # Before the build, which can take minutes: a stop signal meanwhile is a request too.
     stop = StopRequest(cfg.training.time_limit_minutes).install()
