@@ -4,7 +4,7 @@ One transformer block of a flavor (an MoE block unless ``--dense``), as the trai
 (trainer/parallel/activation_checkpoint.py), runs forward and backward on one batch for every
 mode: none, full, selective (every block: the same as full for one block, so left out), op, and
 ``modules`` with each ``--sets`` entry (default: DeepSeek's set, NVIDIA's Megatron set, and each
-part alone). Memory is torch's ``MemTracker`` (the dry run's tracker, trainer/dry_run.py) on the
+part alone; ``+`` joins names into one entry: ``layernorm+moe_act``). Memory is torch's ``MemTracker`` (the dry run's tracker, trainer/dry_run.py) on the
 CPU: the tensors alive after the forward that were not before it (what the block holds for its
 backward, its output included) and the peak over forward and backward. The estimator's figure
 for the same block and mode (trainer/memory.py ``block_activation_bytes``) is printed beside it.
@@ -29,7 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from models.common.rope import precompute_freqs_cis
 from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.model import TransformerBlock
-from trainer.config.schema import recompute_module_set
+from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
 from trainer.memory import block_activation_bytes
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -68,7 +68,7 @@ def run(args) -> list[dict]:
         torch.manual_seed(0)
         holder = _Holder(TransformerBlock(layer_id, margs))
         holder.layers["0"].load_state_dict(state)
-        apply_activation_checkpointing(holder, mode, recompute_modules=parts)
+        apply_activation_checkpointing(holder, mode, recompute_modules=parts[0].split("+") if parts else ())
         wrapped = holder.layers["0"]
 
         def step(wrapped=wrapped):
@@ -87,12 +87,9 @@ def run(args) -> list[dict]:
             (out.float().square().mean() + aux).backward()
             peak = _bytes(tracker, "peak") - before
         tokens = args.batch * args.seq_len
-        # op is left to the estimator's other modes (trainer/memory.py estimates it as full).
-        estimate = (
-            block_activation_bytes(margs, not args.dense, mode, recompute_module_set(parts)) * tokens
-            if mode != "op"
-            else float("nan")
-        )
+        # op: the estimator's modules with the cheap parts (trainer/memory.py `_recomputed_parts`).
+        chosen = recompute_module_set(parts[0].split("+")) if mode == "modules" else CHEAP_PARTS if mode == "op" else ()
+        estimate = block_activation_bytes(margs, not args.dense, "modules" if chosen else mode, chosen) * tokens
         rows.append(
             {
                 "mode": mode if not parts else f"modules {parts[0]}",

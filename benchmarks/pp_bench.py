@@ -37,8 +37,9 @@ import time
 import typing
 from pathlib import Path
 
-from trainer.config.pipeline_layout import PP_SCHEDULES, PipelinePlan
-from trainer.config.schema import ACMode
+from trainer.config.activation_checkpoint import ACMode
+from trainer.config.pipeline_layout import PipelinePlan
+from trainer.config.schedules import PP_SCHEDULES
 from trainer.diagnostics import spawn_local
 from trainer.run_folder import latest_run_folder
 

@@ -20,7 +20,8 @@ import sys
 
 from models.deepseek_v3 import flavor_names
 from trainer.config import ConfigError
-from trainer.config.pipeline_layout import PP_SCHEDULES, PipelinePlan
+from trainer.config.pipeline_layout import PipelinePlan
+from trainer.config.schedules import PP_SCHEDULES
 from trainer.memory import ACT_BYTES, estimate
 
 

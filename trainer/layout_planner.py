@@ -1,9 +1,9 @@
 """The layout planner: every layout of a model on N GPUs that the pre-launch check accepts, those
 the memory estimator fits on the GPUs, ranked by the step-time model (trainer/step_time.py).
 
-Candidates: pp over the divisors of N that leave every stage a block, with each schedule
-(1F1B, Interleaved1F1B with 2 or 4 stages per rank, InterleavedZeroBubble, ZBVZeroBubble,
-DualPipeV) and 1, 2 or 4
+Candidates: pp over the divisors of N that leave every stage a block, with each schedule and its
+planned stages per rank (trainer/config/schedules.py: 1F1B, Interleaved1F1B with 2 or 4 stages per
+rank, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) and 1, 2 or 4
 micro-batches per stage of the run; tp up to a node (it divides the heads), cp 1, 2 or 4;
 dp_replicate among the divisors of what is left; ep over the divisors of dp_shard x cp that divide
 the experts, and with cp 1 and ep > 1 also ep_as_cp (the ep ranks split each sequence, and the
@@ -30,16 +30,11 @@ from trainer.config import ConfigError, load_config
 from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.config.schedules import SCHEDULES
 from trainer.memory import estimate
 from trainer.progress import Progress, phase
 from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
-# Schedules and their stages per rank; torch's other two are dominated by one of these (GPipe by
-# 1F1B's memory, LoopedBFS by Interleaved1F1B's bubble).
-SCHEDULES = (
-    ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
-    ("DualPipeV", 2),
-)
 # GiB a GPU keeps outside torch's tensors: CUDA context, NCCL buffers, fragmentation
 # (scripts/estimate_memory.py's allowance).
 RESERVE_GIB = 6.0
@@ -108,7 +103,9 @@ def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
                 if local % rows == 0:
                     yield dataclasses.replace(base, local_batch_size=rows, accumulation=local // rows, ac=ac)
             continue
-        for schedule, per_rank in SCHEDULES:
+        # Each schedule's planned stages per rank (trainer/config/schedules.py; none for GPipe and
+        # LoopedBFS, dominated by 1F1B's memory and Interleaved1F1B's bubble).
+        for schedule, per_rank in [(s.name, v) for s in SCHEDULES for v in s.planned_stages_per_rank]:
             for fill in (1, 2, 4):
                 pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank,
                                         pp_microbatches=pp * per_rank * fill)

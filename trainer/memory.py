@@ -10,7 +10,9 @@ matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two m
 Activations are estimates of the tensors autograd saves per token and layer
 (listed in `_layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
 `ac="full"` keeps each block's input plus one block's activations during recompute; `ac="modules"`
-keeps what its per-op policy keeps (`block_activation_bytes`) plus one block's recomputed rest.
+keeps what its per-op policy keeps (`block_activation_bytes`) plus one block's recomputed rest;
+`ac="op"` is `modules` with the cheap parts (norms, the experts' SwiGLU) chosen, the same policy;
+`ac="selective"` is `full` for every `selective_every`-th block of each stage and `none` for the rest.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
 during backward while the saved activations are released, so the total holds parameters,
 optimizer states and the largest of (gradients + the embedding / head gradient temporaries),
@@ -69,7 +71,7 @@ import torch
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError
-from trainer.config.activation_checkpoint import recompute_module_set
+from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
 GiB = 1024**3
@@ -230,7 +232,7 @@ def estimate(
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
     state_dtype: str = "float32", stage_costs: PipelineCosts | None = None, ep_as_cp: bool = False,
-    recompute_modules: tuple[str, ...] = ("deepseek",),
+    recompute_modules: tuple[str, ...] = ("deepseek",), selective_every: int = 2,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -246,7 +248,8 @@ def estimate(
     model's ``stage_unit_costs`` at ``seq_len`` when the caller has them (the layout planner
     estimates many layouts of one model; computing them builds the model on the meta device).
     ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1).
-    ``recompute_modules``: the parts ``ac="modules"`` recomputes (names or sets, as the config)."""
+    ``recompute_modules``: the parts ``ac="modules"`` recomputes (names or sets, as the config);
+    ``selective_every``: ``ac="selective"`` checkpoints every N-th block of each stage."""
     a = model_args or get_flavor(flavor)
     plan = pipeline or PipelinePlan()
     pp = plan.pp
@@ -262,7 +265,7 @@ def estimate(
               "mixed_precision": mixed_precision, "device_type": device_type}
     share = dict(fsdp=fsdp, ep=ep, tp=tp, cp=cp, seq_len=seq_len, ac=ac, mixed_precision=mixed_precision,
                  device_type=device_type, block_causal_sdpa=block_causal_sdpa, optimizer=optimizer,
-                 state_dtype=state_dtype, parts=recompute_module_set(recompute_modules) if ac == "modules" else ())
+                 state_dtype=state_dtype, parts=_recomputed_parts(ac, recompute_modules), selective_every=selective_every)
     if pp == 1:
         result = _estimate_share(a, list(range(a.n_layers)), True, True, True, local_batch_size, 1, **share)
         return {"flavor": flavor, "layout": layout, **result}
@@ -297,30 +300,41 @@ def estimate(
 
 def _in_flight(plan: PipelinePlan, rank: int) -> float:
     """Micro-batches whose activations pp rank ``rank`` holds at once, in units of all its stages'
-    (a looped schedule's stage chunk is 1/v of them), from torch's warm-up of each schedule:
+    (a looped schedule's stage chunk is 1/v of them): the schedule's ``in_flight``
+    (trainer/config/schedules.py, from torch's warm-up of each schedule)."""
+    return plan.facts.in_flight(plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank, rank)
 
-    * 1F1B: rank r runs pp - r forwards before its first backward (the last rank holds one);
-    * GPipe, LoopedBFS: every forward before the first backward;
-    * Interleaved1F1B: its warm-up's (v - 1) x pp + 2 (pp - 1 - r) stage chunks (torch's
-      ``_get_warmup_ops``), at most all m x v chunks;
-    * the others (zero-bubble, V): up to pp.
 
-    Measured by the dry run (docs/performance.md, "The estimator against the dry run")."""
-    pp, micro, v = plan.pp, plan.pp_microbatches, plan.pp_stages_per_rank
-    if plan.pp_schedule == "1F1B":
-        return min(pp - rank, micro)
-    if plan.pp_schedule in ("GPipe", "LoopedBFS"):
-        return micro
-    if plan.pp_schedule == "Interleaved1F1B":
-        per_round = micro // max(1, micro // pp)
-        return min(micro * v, (v - 1) * per_round + 2 * (pp - 1 - rank)) / v
-    return min(pp, micro)
+def _recomputed_parts(ac: str, recompute_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The block parts a per-op mode recomputes: ``modules`` the named ones; ``op`` keeps every
+    matmul's, attention kernel's and all-to-all's output and recomputes the rest, which is
+    ``modules`` with the cheap parts chosen (trainer/parallel/activation_checkpoint.py's
+    ``CHEAP_PARTS``: the same policy by construction); the other modes none."""
+    if ac == "modules":
+        return recompute_module_set(recompute_modules)
+    return CHEAP_PARTS if ac == "op" else ()
+
+
+def _checkpointed_blocks(ac: str, bounds: list[int], n_layers: int, selective_every: int) -> list[bool]:
+    """Which of a rank's blocks (its stages' layers, then the MTP blocks) are checkpointed:
+    none under ``none``; under ``selective`` every ``selective_every``-th layer of each stage
+    counted from its first (trainer/parallel/activation_checkpoint.py wraps each stage's own
+    ``layers``), never an MTP block; all under the other modes."""
+    if ac == "none":
+        return [False] * bounds[-1]
+    if ac != "selective":
+        return [True] * bounds[-1]
+    flags = []
+    for start, end in zip(bounds, bounds[1:]):
+        flags += [i < n_layers and (i - start) % selective_every == 0 for i in range(start, end)]
+    return flags
 
 
 def _estimate_share(
     a: DeepSeekV3ModelArgs, layers: list[int], embed: bool, head: bool, mtp: bool, rows: int, in_flight: float, *,
     fsdp: int, ep: int, tp: int, cp: int, seq_len: int, ac: str, mixed_precision: str, device_type: str,
-    block_causal_sdpa: bool, optimizer: str, state_dtype: str, parts: tuple[str, ...] = (), pipelined: bool = False,
+    block_causal_sdpa: bool, optimizer: str, state_dtype: str, parts: tuple[str, ...] = (), selective_every: int = 2,
+    pipelined: bool = False,
     zero_bubble: bool = False,
     stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
 ) -> dict:
@@ -385,23 +399,22 @@ def _estimate_share(
         for moe in set(kinds)
     }
     per_layer = [layer_bytes[k] for k in kinds]
-    if ac in ("full", "modules"):
-        # What each block keeps through the step, and what a recomputation brings back (the rest
-        # of its no-checkpointing activations): one block's at a time in its backward.
-        kept_bytes = {
-            moe: block_activation_bytes(a, moe, ac, parts, tp, cp, act_bytes, fp32_norms) * tokens for moe in set(kinds)
-        }
-        kept = [kept_bytes[k] for k in kinds]
-        # (full's recomputation counted whole, as before this mode: its kept input is small.)
-        recomputed = per_layer if ac == "full" else [saved - k for saved, k in zip(per_layer, kept)]
-        act = sum(kept) * in_flight + max(recomputed, default=0.0)
-        if zero_bubble:
-            # The weight pass recomputes a checkpointed stage once (module docstring): the
-            # largest stage's blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
-            bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
-            act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
-    else:
-        act = sum(per_layer) * in_flight
+    # What each block keeps through the step, and what its recomputation brings back (the rest of
+    # its no-checkpointing activations): one block's at a time in its backward.
+    bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
+    checkpointed = _checkpointed_blocks(ac, bounds, len(layers), selective_every)
+    kept_bytes = {
+        moe: block_activation_bytes(a, moe, "modules" if parts else "full", parts, tp, cp, act_bytes, fp32_norms) * tokens
+        for moe in set(kinds)
+    }
+    kept = [kept_bytes[k] if c else saved for k, c, saved in zip(kinds, checkpointed, per_layer)]
+    # (full's recomputation counted whole, as before the per-op modes: its kept input is small.)
+    recomputed = [(saved if not parts else saved - k) if c else 0.0 for saved, k, c in zip(per_layer, kept, checkpointed)]
+    act = sum(kept) * in_flight + max(recomputed, default=0.0)
+    if zero_bubble:
+        # The weight pass recomputes a checkpointed stage once (module docstring): the largest
+        # stage's checkpointed blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
+        act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
     logits = (1 + n_mtp) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4) if head else 0.0
     if head and fp32_norms:  # the final norm and each MTP module's three outside its block
@@ -409,7 +422,7 @@ def _estimate_share(
     # The bool mask, and the additive mask in the compute dtype that each sdpa call derives from it
     # and saves for its backward (one per attention held: every block's, or under full AC the one
     # block recomputed).
-    attention_calls = 1 if ac in ("full", "modules") else len(kinds) * in_flight
+    attention_calls = (len(kinds) - sum(checkpointed)) * in_flight + (1 if any(checkpointed) else 0)
     mask = rows * (seq_len / cp) * seq_len * (in_flight + act_bytes * attention_calls) if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
     # At the end of backward, while (nearly) all gradients are live: the embedding's dense
@@ -509,20 +522,19 @@ def available_bytes(device: torch.device) -> tuple[int | None, str]:
 
 def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device, available: int | None = None) -> dict:
     """Refuses (ConfigError) a run whose estimated peak exceeds the memory available, before the
-    model is built. Selective / op activation checkpointing are estimated as full (the lower
-    bound), so only a run that cannot fit is refused; ``modules`` as it runs. Returns the estimate."""
+    model is built; every activation-checkpointing mode estimated as it runs. Returns the estimate."""
     t = cfg.training
     where = str(device)
     if available is None:
         available, where = available_bytes(device)
-    mode = cfg.activation_checkpoint.mode
-    ac = mode if mode in ("none", "modules") else "full"
+    ac = cfg.activation_checkpoint.mode
     est = estimate(
         cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.cp, t.seq_len, t.local_batch_size, ac,
         mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
         block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
         pipeline=dims.pipeline, optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
         ep_as_cp=dims.ep_as_cp, recompute_modules=tuple(cfg.activation_checkpoint.recompute_modules),
+        selective_every=cfg.activation_checkpoint.selective_every,
     )
     need = est["gib"]["total"]
     if available is not None and need * GiB > available:
@@ -531,7 +543,7 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
                        "stage_unsharded_params", "stage_grad_accumulators"), key=g.get)
         fixes = ["lower training.seq_len or training.local_batch_size"]
         if ac != "full":
-            fixes.append("use activation_checkpoint.mode full")  # modules keeps more than full
+            fixes.append("use activation_checkpoint.mode full")  # every other mode keeps more than full
         elif dims.pipeline.enabled and dims.pipeline.zero_bubble:
             # The weight pass keeps its recomputes (module docstring): full AC is no cure there.
             fixes.append(

@@ -110,33 +110,14 @@ class Plan:
 
 
 def bubble_fraction(pipeline: PipelinePlan, b_share: float) -> float:
-    """Idle time over useful time of one run of ``pipeline``'s schedule. F, B, W: one micro-batch's forward, input
-    gradient and weight gradient on one stage, in units of F (B + W = 2).
-
-    * GPipe, 1F1B: (p - 1) (F + B + W) per run of m micro-batches of (F + B + W): (p - 1) / m;
-    * Interleaved1F1B (v stages per rank): (p - 1) / (v m) (Narayanan et al. 2021);
-    * zero-bubble, one stage per rank's worth of W filling the gaps: (p - 1) (F + B - 2W) / (m (F + B + W))
-      (ZB-H1, Qi et al. 2023), floored at 0; InterleavedZeroBubble divided by v;
-    * ZBVZeroBubble and DualPipeV (2 stages per rank): the DualPipe table's (PP/2 - 1)(F&B + B - 3W)
-      (DeepSeek-V3 report, table 2) with F&B = F + B (this trainer does not overlap the pair), over
-      m (F + B + W), floored at 0.
-    """
+    """Idle time over useful time of one run of ``pipeline``'s schedule: the schedule's ``bubble``
+    formula (trainer/config/schedules.py) with F, B, W one micro-batch's forward, input gradient
+    and weight gradient on one stage, in units of F (B + W = 2, B = 2 ``b_share``)."""
     if not pipeline.enabled:
         return 0.0
-    pp, schedule = pipeline.pp, pipeline.pp_schedule
-    stages_per_rank, microbatches = pipeline.pp_stages_per_rank, pipeline.pp_microbatches
     f, b = 1.0, 2.0 * b_share
     w = 2.0 - b
-    per_micro = f + b + w
-    if schedule in ("GPipe", "1F1B", "LoopedBFS"):
-        return (pp - 1) / microbatches
-    if schedule == "Interleaved1F1B":
-        return (pp - 1) / (stages_per_rank * microbatches)
-    if schedule == "InterleavedZeroBubble":
-        return max(0.0, (pp - 1) * (f + b - 2 * w)) / (stages_per_rank * microbatches * per_micro)
-    if schedule in ("ZBVZeroBubble", "DualPipeV"):
-        return max(0.0, (pp / 2 - 1) * ((f + b) + b - 3 * w)) / (microbatches * per_micro)
-    raise ValueError(f"no bubble formula for schedule {schedule!r}")
+    return pipeline.facts.bubble(pipeline.pp, pipeline.pp_stages_per_rank, pipeline.pp_microbatches, f, b, w)
 
 
 def _ring_seconds(nbytes: float, group: int, span: int, hw: Hardware) -> float:

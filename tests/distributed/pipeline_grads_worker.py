@@ -158,7 +158,7 @@ def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
     result per case and rank."""
     from torch.distributed.tensor import DTensor
 
-    from trainer.config.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+    from trainer.config.schedules import ZERO_BUBBLE_SCHEDULES
     from trainer.diagnostics import init_local_gloo
 
     torch.set_num_threads(1)

@@ -20,16 +20,20 @@ N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
 
 
 @pytest.fixture(scope="module")
-def launch():
+def launch(request):
     """`launch(world)`: the all-to-all counts by rank, {precompute: counts}; one launch per world
-    size, precompute off checked in the world-2 launch only (it changes the exchanges, not the
-    sharding that the world sizes vary)."""
+    size, precompute off checked at world size 2 only (it changes the exchanges, not the sharding
+    that the world sizes vary). World sizes 1 and 2 run in the fast tier's shared 2-rank launch
+    (tests/distributed/conftest.py)."""
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict:
         if world not in cache:
-            modes = (True, False) if world == 2 else (True,)
-            results = dict(spawn_local(engram_worker.run, world, modes))
+            if world in (1, 2):
+                results = dict(request.getfixturevalue("two_ranks")["engram" if world == 2 else "engram_world_1"])
+            else:
+                results = dict(spawn_local(engram_worker.run, world, (True,)))
+            assert sorted(results) == list(range(world)), results
             for rank, r in results.items():
                 assert isinstance(r, dict), f"rank {rank}: {r}"
             cache[world] = results

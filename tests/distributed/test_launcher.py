@@ -1,5 +1,5 @@
-"""The local gloo launcher (`spawn_local`, trainer/diagnostics/launch.py) and the collective helpers of
-trainer/distributed.py."""
+"""The local gloo launcher (`spawn_local`, `spawn_local_jobs`: trainer/diagnostics/launch.py) and the
+collective helpers of trainer/distributed.py."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.diagnostics import init_local_gloo, spawn_local
+from trainer.diagnostics import init_local_gloo, spawn_local, spawn_local_jobs
 from trainer.distributed import all_ranks_any, all_reduce_sum, global_rank, global_world_size, is_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,10 +38,15 @@ def test_helpers_are_identities_on_one_process():
     assert all_ranks_any(True) and not all_ranks_any(False)
 
 
-def test_spawn_local_returns_every_rank_result():
-    # Only rank 1 raises its flag: every rank learns that some rank did.
-    results = sorted(spawn_local(_sum_ranks, 2, 1))
-    assert results == [(0, 2, 1.0, True), (1, 2, 1.0, True)]
+def test_spawn_local_returns_every_rank_result_and_runs_jobs_in_turn():
+    # Two jobs in one spawn (`spawn_local_jobs`, through `spawn_local`), each in a process group of
+    # its own: only rank 1 raises its flag in the first, no rank in the second; every rank learns
+    # whether some rank did, and each job's results come back under its name.
+    results = spawn_local_jobs({"rank 1 flags": (_sum_ranks, (1,)), "none flags": (_sum_ranks, (2,))}, 2)
+    assert {name: sorted(items) for name, items in results.items()} == {
+        "rank 1 flags": [(0, 2, 1.0, True), (1, 2, 1.0, True)],
+        "none flags": [(0, 2, 1.0, False), (1, 2, 1.0, False)],
+    }
 
 
 @pytest.mark.parametrize("error, code", [(SystemExit(3), 3), (ValueError("bad shard"), 1)])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pipeline_grads_worker
 import pytest
 
-from trainer.config.pipeline_layout import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from trainer.config.schedules import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from trainer.diagnostics import spawn_local
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md

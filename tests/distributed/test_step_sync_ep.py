@@ -4,18 +4,15 @@ micro-batch: the all-to-all split sizes, the one documented sync of the EP dispa
 from __future__ import annotations
 
 import pytest
-import step_sync_worker
-
-from trainer.diagnostics import spawn_local
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    # Spawned from this process: a launcher process of its own would only add an import of torch.
-    workdir = tmp_path_factory.mktemp("step_sync_ep")
-    return sorted(spawn_local(step_sync_worker.run, 2, str(workdir)), key=lambda r: r["rank"])
+def ranks(two_ranks) -> list[dict]:
+    # tests/distributed/step_sync_worker.py in the fast tier's shared 2-rank launch
+    # (tests/distributed/conftest.py): a launch of its own would only add an import of torch.
+    return sorted(two_ranks["step_sync_ep"], key=lambda r: r["rank"])
 
 
 def test_ep_step_reads_the_device_once_per_moe_layer_beyond_three(ranks):

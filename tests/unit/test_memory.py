@@ -312,3 +312,55 @@ def test_pipeline_stages_hold_their_receive_buffers_for_every_micro_batch():
     expected = {0: 8 + 4, 1: 2 * 8 + 3, 2: 2 * 8 + 2, 3: 8}[worst]
     assert est["gib"]["pipeline_buffers"] == pytest.approx(expected * residual / GiB)
     assert estimate(*layout, mixed_precision="float32", device_type="cpu")["gib"]["pipeline_buffers"] == 0
+
+
+@pytest.mark.parametrize("mode", ["none", "op", "selective", "modules"])
+def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
+    """The debug model's six blocks (one dense, five MoE) as the trainer wraps them: what they hold
+    after the forward (torch's MemTracker, the dry run's tracker) against the estimator's kept
+    bytes per block, with its choice of the blocks ``selective`` checkpoints."""
+    import dataclasses
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from models.common.rope import precompute_freqs_cis
+    from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
+    from trainer.memory import _checkpointed_blocks, _layer_activation_bytes, block_activation_bytes
+    from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    batch, seq = 2, 64
+    a = dataclasses.replace(get_flavor("debugmodel"), max_seq_len=seq)
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.layers = DeepSeekV3Model(a).layers
+    apply_activation_checkpointing(holder, mode, selective_every=2, recompute_modules=("deepseek",))
+    freqs = precompute_freqs_cis(a.qk_rope_head_dim, seq, a.rope_theta, device="cpu")
+    x = torch.randn(batch, seq, a.dim)
+
+    def forward():
+        h = x.clone().requires_grad_()
+        for block in holder.layers.values():
+            h, _ = block(h, freqs, None)
+        return h
+
+    forward().sum().backward()  # first-call allocations
+    tracker = MemTracker()
+    tracker.track_external(holder)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")
+        out = forward()
+        after = tracker.get_tracker_snapshot("current")
+    total = lambda snap: sum(v for stats in snap.values() for k, v in stats.items() if getattr(k, "value", k) == "Total")
+    held = total(after) - total(before) - out.numel() * 4  # the last block's output is no block's input
+
+    parts = recompute_module_set(("deepseek",)) if mode == "modules" else CHEAP_PARTS if mode == "op" else ()
+    kinds = [i >= a.n_dense_layers for i in range(a.n_layers)]
+    flags = _checkpointed_blocks(mode, [0, a.n_layers], a.n_layers, 2)
+    assert flags == ([False] * 6 if mode == "none" else [True, False] * 3 if mode == "selective" else [True] * 6)
+    per_token = [
+        block_activation_bytes(a, moe, "modules" if parts else "full", parts) if checkpointed
+        else _layer_activation_bytes(a, moe, 1, 1, 4)
+        for moe, checkpointed in zip(kinds, flags)
+    ]
+    estimated = sum(per_token) * batch * seq
+    assert abs(estimated - held) <= 0.1 * held, (mode, estimated / MiB, held / MiB)

@@ -10,7 +10,6 @@ from trainer.config.layout import Layout
 from trainer.config.pipeline_layout import (
     PipelineCosts,
     PipelinePlan,
-    default_microbatches,
     describe_split,
     parse_pp_layout,
     rank_stages,
@@ -49,7 +48,7 @@ def test_layout_resolves_schedule_defaults():
     layout = Layout(1, -1, 1, 1, 1, False, 2, pipeline=PipelinePlan(pp=2, pp_schedule="DualPipeV"))
     plan = layout.pipeline
     assert (layout.dp_shard, layout.pp, plan.pp_stages_per_rank, plan.pp_microbatches, plan.n_stages) == (1, 2, 2, 4, 4)
-    assert default_microbatches("1F1B", 4, 1) == 4 and default_microbatches("Interleaved1F1B", 4, 2) == 4
+    assert PipelinePlan(pp=4).pp_microbatches == 4 and PipelinePlan(pp=4, pp_schedule="Interleaved1F1B").pp_microbatches == 4
     with pytest.raises(ConfigError, match=r"8 stages .* only 6 blocks"):
         Layout(1, -1, 1, 1, 1, False, 4, pipeline=PipelinePlan(pp=4, pp_schedule="Interleaved1F1B")).check_stages(6, 1)
 

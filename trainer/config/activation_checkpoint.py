@@ -16,6 +16,9 @@ RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", 
 # Named sets: DeepSeek-V3's own (technical report, section 3.2.3: every RMSNorm, MLA's
 # up-projections and the MoE SwiGLU output) and NVIDIA's production recipe for it in Megatron.
 RECOMPUTE_SETS = {"deepseek": ("layernorm", "mla_up_proj", "moe_act"), "megatron_dsv3": ("mla_up_proj", "mlp")}
+# The parts made of cheap elementwise ops: `op` recomputes them (it keeps only matmul, attention and
+# all-to-all outputs), `modules` keeps them unless chosen.
+CHEAP_PARTS = ("layernorm", "moe_act")
 
 
 def recompute_module_set(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from typing import Any
 from trainer.config.fields import cli_repr, default_of
 from trainer.config.pipeline_layout import PipelinePlan
 from trainer.config.replica_groups import replica_group_problems
+from trainer.config.schedules import PP_SCHEDULES, SCHEDULES
 
 LOCAL_FORMATS = ("json", "text", "parquet", "auto")
 BUNDLED_DATASET = "shakespeare"
@@ -57,8 +58,10 @@ def combination_problems(cfg: Any) -> list[str]:
             "optimizer.qk_clip records the attention logits with model.attn_backend = 'sdpa' only; "
             "add --model.attn_backend sdpa or drop --optimizer.qk_clip."
         )
-    plan = PipelinePlan.from_config(cfg.parallelism)
-    if plan.enabled and t.compile and plan.zero_bubble:
+    # An unknown schedule (choice_problems names it) has no record: checked as no pipeline.
+    known = cfg.parallelism.pp_schedule in PP_SCHEDULES
+    plan = PipelinePlan.from_config(cfg.parallelism) if known else PipelinePlan()
+    if plan.enabled and t.compile and not plan.facts.compile:
         # docs/compile.md, "Zero-bubble schedules": measured wrong or failing, and no faster.
         problems.append(
             f"parallelism.pp_schedule = {plan.pp_schedule!r} splits each backward into input and weight passes, and a "
@@ -94,12 +97,13 @@ def _moe_overlap_problems(cfg: Any) -> list[str]:
     p = cfg.parallelism
     if not p.moe_overlap:
         return []
+    overlapping = [s.name for s in SCHEDULES if s.moe_overlap]
     refusals = [
         (p.ep <= 1, "overlaps the expert-parallel all-to-all: set --parallelism.ep > 1"),
         (
-            p.pp > 1 and p.pp_schedule != "DualPipeV",
-            "with pp needs pp_schedule DualPipeV (whose OVERLAP_F_B actions it interleaves): add "
-            "--parallelism.pp_schedule DualPipeV or use --parallelism.pp 1",
+            p.pp > 1 and p.pp_schedule not in overlapping,
+            f"with pp needs pp_schedule {' or '.join(overlapping)} (whose OVERLAP_F_B actions it interleaves): add "
+            f"--parallelism.pp_schedule {overlapping[0]} or use --parallelism.pp 1",
         ),
         (
             cfg.activation_checkpoint.mode != "none",

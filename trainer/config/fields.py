@@ -162,12 +162,15 @@ def choice_problems(cfg: Any) -> list[str]:
             value = getattr(getattr(cfg, section), key)
             if choices is None or value is None or value in choices:
                 continue
-            close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else "."
-            problems.append(
-                f"{section}.{key} = {value!r} is not allowed; choose one of {', '.join(choices)}{hint}"
-            )
+            problems.append(choice_message(f"{section}.{key}", value, choices))
     return problems
+
+
+def choice_message(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    """The one line refusing ``value`` of ``key`` (``section.key``), naming its choices."""
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"{key} = {value!r} is not allowed; choose one of {', '.join(choices)}{hint}"
 
 
 def cli_repr(value: Any) -> str:

@@ -1,9 +1,10 @@
-"""Pipeline parallelism's arithmetic, torch-free: schedule families, the micro-batch count and the
-split of the model into stages.
+"""Pipeline parallelism's arithmetic, torch-free: what each schedule accepts, the micro-batch count
+and the split of the model into stages.
 
-The schedules themselves are `torch.distributed.pipelining`'s (trainer/parallel/pipeline.py); this
-module knows only what each one accepts, so the pre-launch check (`python -m trainer.config.check`)
-refuses a layout torch would refuse, in one line, before any process starts.
+The schedules themselves are `torch.distributed.pipelining`'s (trainer/parallel/pipeline.py), their
+facts one record each in trainer/config/schedules.py; this module knows only what each one
+accepts, so the pre-launch check (`python -m trainer.config.check`) refuses a layout torch would
+refuse, in one line, before any process starts.
 
 Stage split. A stage is a run of "layer equivalents": `E` (the embedding), `t` (one transformer
 block), `L` (final norm, head, loss and the MTP modules, which need the head). Given each piece's
@@ -22,60 +23,36 @@ from __future__ import annotations
 
 import itertools
 import re
-import typing
 from dataclasses import dataclass, fields
-from typing import Literal
 
 from trainer.config.fields import ConfigError
-
-PPSchedule = Literal[
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
-]
-PP_SCHEDULES: tuple[str, ...] = typing.get_args(PPSchedule)
-# Its families: schedules that run one stage per rank, several stages per rank in a loop (stage s
-# on rank s % pp), and the "V" schedules (rank r holds stages r and 2 pp - 1 - r, so the first and
-# the last stage share a rank).
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-# Split backward into input and weight passes: torch refuses compiled (OptimizedModule) stages.
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def default_stages_per_rank(schedule: str) -> int:
-    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
-
-
-def default_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
-    """The fewest micro-batches that fill the pipeline and that the schedule accepts: one per
-    rank, or one per stage for the V schedules (torch asks DualPipeV for that many)."""
-    return pp * stages_per_rank if schedule in V_SCHEDULES else pp
+from trainer.config.schedules import ScheduleFacts, family_names, schedule_facts
 
 
 def schedule_problems(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> list[str]:
     """What torch's schedule would refuse (or run with an idle rank), one message each."""
     problems = []
-    n_stages = pp * stages_per_rank
-    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
+    facts = schedule_facts(schedule)
+    if facts.family == "single" and stages_per_rank != facts.stages_per_rank:
         problems.append(
             f"parallelism.pp_schedule = {schedule!r} runs one stage per rank, got pp_stages_per_rank = "
-            f"{stages_per_rank}; use 1, or a multi-stage schedule ({', '.join(LOOPED_SCHEDULES)})"
+            f"{stages_per_rank}; use 1, or a multi-stage schedule ({', '.join(family_names('looped'))})"
         )
-    if schedule in V_SCHEDULES and stages_per_rank != 2:
+    if facts.v_shaped and stages_per_rank != facts.stages_per_rank:
         problems.append(
             f"parallelism.pp_schedule = {schedule!r} is a V schedule: it needs exactly 2 stages per rank, got "
             f"pp_stages_per_rank = {stages_per_rank}; set --parallelism.pp_stages_per_rank 2 (or -1)"
         )
     if stages_per_rank < 1:
         problems.append(f"parallelism.pp_stages_per_rank must be >= 1 (or -1 for the schedule's), got {stages_per_rank}")
-    need = n_stages if schedule in V_SCHEDULES else pp
+    need = facts.min_microbatches(pp, stages_per_rank)
     if microbatches < need:
-        what = "stages (pp x pp_stages_per_rank)" if schedule in V_SCHEDULES else "pipeline ranks (pp)"
+        what = "stages (pp x pp_stages_per_rank)" if facts.v_shaped else "pipeline ranks (pp)"
         problems.append(
             f"parallelism.pp_microbatches = {microbatches} is fewer than the {need} {what} that "
             f"{schedule!r} needs to fill the pipeline; use at least {need} (or -1)"
         )
-    elif schedule in LOOPED_SCHEDULES and microbatches % pp:
+    elif facts.family == "looped" and microbatches % pp:
         problems.append(
             f"parallelism.pp_microbatches = {microbatches} must be a multiple of pp = {pp} for {schedule!r} "
             f"(it runs the micro-batches in rounds of pp); use {microbatches + pp - microbatches % pp}"
@@ -97,12 +74,11 @@ class PipelinePlan:
     pp_layout: str = ""
 
     def __post_init__(self) -> None:
+        facts = self.facts  # ConfigError naming the known schedules for any other
         if self.pp_stages_per_rank == -1:
-            object.__setattr__(self, "pp_stages_per_rank", default_stages_per_rank(self.pp_schedule))
+            object.__setattr__(self, "pp_stages_per_rank", facts.stages_per_rank)
         if self.pp_microbatches == -1:
-            object.__setattr__(
-                self, "pp_microbatches", default_microbatches(self.pp_schedule, self.pp, self.pp_stages_per_rank)
-            )
+            object.__setattr__(self, "pp_microbatches", facts.min_microbatches(self.pp, self.pp_stages_per_rank))
 
     @classmethod
     def from_config(cls, parallelism) -> PipelinePlan:
@@ -119,14 +95,19 @@ class PipelinePlan:
         return self.pp * self.pp_stages_per_rank
 
     @property
+    def facts(self) -> ScheduleFacts:
+        """The schedule's record (trainer/config/schedules.py)."""
+        return schedule_facts(self.pp_schedule)
+
+    @property
     def zero_bubble(self) -> bool:
         """The schedule splits each backward into input and weight passes."""
-        return self.pp_schedule in ZERO_BUBBLE_SCHEDULES
+        return self.facts.split_backward
 
     @property
     def v_shaped(self) -> bool:
         """Rank r holds stages r and 2 pp - 1 - r (the first and the last stage share a rank)."""
-        return self.pp_schedule in V_SCHEDULES
+        return self.facts.v_shaped
 
     def problems(self) -> list[str]:
         """What torch's schedule or the explicit ``pp_layout`` would refuse, one message each
@@ -183,7 +164,7 @@ def stage_ranks(schedule: str, pp: int, n_stages: int) -> tuple[int, ...]:
     """The pp rank of every stage: stage s on rank s % pp (one stage per rank, or looped
     schedules), or rank r holding stages r and 2 pp - 1 - r (V schedules, so the first and the
     last stage share a rank)."""
-    if schedule in V_SCHEDULES:
+    if schedule_facts(schedule).v_shaped:
         return tuple(s if s < pp else 2 * pp - 1 - s for s in range(n_stages))
     return tuple(s % pp for s in range(n_stages))
 

@@ -23,7 +23,7 @@ from trainer.config.combinations import BUNDLED_DATASET, combination_problems, c
 from trainer.config.data_mix import mixture_problems
 from trainer.config.fields import ConfigError, Section, choice_problems, failed_checks, option, sections_of
 from trainer.config.layout import degree_problems
-from trainer.config.pipeline_layout import PPSchedule
+from trainer.config.schedules import PPSchedule
 
 
 @dataclass

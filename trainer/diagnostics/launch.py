@@ -97,6 +97,48 @@ def spawn_local(target: Callable, world: int, *args, results: int | None = None,
     return out
 
 
+def spawn_local_jobs(jobs: dict[str, tuple], world: int, timeout: float = 600) -> dict[str, list[Any]]:
+    """Several `spawn_local` targets in one spawn of `world` ranks: each rank runs the jobs
+    (name -> (target, args) or (target, args, job_world)) one after another, each as
+    `target(rank, job_world, port, *args, queue)` on the first `job_world` ranks (default `world`)
+    with a port of its own (a target joins a group there and destroys it when done), and returns
+    what each job queued (one item per rank it ran on) by name. Starting the ranks (an import of
+    torch each) costs more than a short check, so checks of up to the same world size share one
+    start."""
+    names = list(jobs)
+    specs = [(job[0], job[1], job[2] if len(job) > 2 else world) for job in jobs.values()]
+    assert all(1 <= job_world <= world for _, _, job_world in specs), specs
+    ports: list[int] = []
+    while len(ports) < len(names) - 1:  # the first job gets `spawn_local`'s own port
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    expected = sum(job_world for _, _, job_world in specs)
+    items = spawn_local(_run_jobs, world, ports, specs, results=expected, timeout=timeout)
+    out: dict[str, list[Any]] = {name: [] for name in names}
+    for index, item in items:
+        out[names[index]].append(item)
+    return out
+
+
+class _JobQueue:
+    """What a `spawn_local_jobs` target sees as its queue: puts carry the job's index."""
+
+    def __init__(self, queue, index: int):
+        self._queue, self._index = queue, index
+
+    def put(self, item: Any) -> None:
+        self._queue.put((self._index, item))
+
+
+def _run_jobs(
+    rank: int, world: int, port: int, ports: list[int], jobs: list[tuple[Callable, tuple, int]], queue
+) -> None:
+    for index, ((target, args, job_world), job_port) in enumerate(zip(jobs, [port, *ports], strict=True)):
+        if rank < job_world:
+            target(rank, job_world, job_port, *args, _JobQueue(queue, index))
+
+
 def _run_rank(target: Callable, rank: int, world: int, port: int, args: tuple, out_queue) -> NoReturn:
     """One `spawn_local` rank: runs `target`, sends what it queued, and ends through
     `exit_process` (with the SystemExit code `target` raised, or 1 after the traceback of any

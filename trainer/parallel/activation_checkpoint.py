@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.common.forward_stats import forward_statistics
-from trainer.config.activation_checkpoint import RECOMPUTE_MODULES, RECOMPUTE_SETS, ACMode, recompute_module_set
+from trainer.config.activation_checkpoint import CHEAP_PARTS, ACMode, ActivationCheckpoint, recompute_module_set
 
 AC_MODES = typing.get_args(ACMode)
 
@@ -76,8 +76,12 @@ def _op_policy(save: set, ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._grouped_mm.default}
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._grouped_mm.default,
+}
 
 
 def _is_attention(func) -> bool:
@@ -94,8 +98,24 @@ def _is_view(func) -> bool:
 
 # Ops whose output depends on no input's values: free to recompute, and often filled in place
 # afterwards (the router's ``scatter_`` into ``zeros_like``), which a saved output must not be.
-_FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
-              "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "arange", "scalar_tensor"}
+_FACTORIES = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "ones",
+    "ones_like",
+    "new_ones",
+    "full",
+    "full_like",
+    "new_full",
+    "arange",
+    "scalar_tensor",
+}
 
 
 # What each ``recompute_modules`` name recomputes, by the module an op runs in (its path inside the
@@ -110,8 +130,10 @@ _FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 #   moe             the whole MoE layer but its all-to-alls (expert-parallel traffic is never repeated).
 _PARTS = {
     "layernorm": lambda paths, classes, func, moe: any(issubclass(c, nn.RMSNorm) for c in classes),
-    "mla_up_proj": lambda paths, classes, func, moe: paths[-1] in ("attn.q_norm", "attn.wq_b", "attn.kv_norm", "attn.wkv_b")
-    or (paths[-1] == "attn" and not _is_attention(func)),
+    "mla_up_proj": lambda paths, classes, func, moe: (
+        paths[-1] in ("attn.q_norm", "attn.wq_b", "attn.kv_norm", "attn.wkv_b")
+        or (paths[-1] == "attn" and not _is_attention(func))
+    ),
     "core_attn": lambda paths, classes, func, moe: paths[-1] == "attn" and _is_attention(func),
     "moe_act": lambda paths, classes, func, moe: "ffn.experts" in paths and func not in _MATMULS,
     "mlp": lambda paths, classes, func, moe: not moe and "ffn" in paths,
@@ -119,9 +141,6 @@ _PARTS = {
     "moe": lambda paths, classes, func, moe: moe and "ffn" in paths and not _is_exchange(func),
 }
 
-
-# Parts made of cheap elementwise ops, which ``op`` would recompute: kept unless chosen.
-_CHEAP_PARTS = ("layernorm", "moe_act")
 _REDUCTIONS = {"mean", "sum", "amax", "max", "min"}
 
 
@@ -178,7 +197,7 @@ class _PartTracker:
         if any(_PARTS[part](*where) for part in self.parts):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if func in self.save or (
-            any(_PARTS[part](*where) for part in _CHEAP_PARTS if part not in self.parts)
+            any(_PARTS[part](*where) for part in CHEAP_PARTS if part not in self.parts)
             and func.overloadpacket.__name__ not in _REDUCTIONS
         ):
             return CheckpointPolicy.MUST_SAVE
@@ -279,15 +298,13 @@ def apply_activation_checkpointing(
         raise ValueError(f"activation_checkpoint.mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return 0
-    if selective_every < 1:
-        raise ValueError(f"activation_checkpoint.selective_every must be >= 1, got {selective_every}")
-    unknown = set(recompute_modules) - set(RECOMPUTE_MODULES) - set(RECOMPUTE_SETS)
+    # Benchmarks call this without a config: the section's own checks are the one validator.
+    section = ActivationCheckpoint(
+        mode=mode, selective_every=selective_every, recompute_modules=list(recompute_modules)
+    )
+    if problems := section.problems():
+        raise ValueError(" ".join(problems))
     parts = recompute_module_set(recompute_modules)
-    if mode == "modules" and (unknown or not parts):
-        raise ValueError(
-            f"activation_checkpoint.recompute_modules must name some of {RECOMPUTE_MODULES + tuple(RECOMPUTE_SETS)}, "
-            f"got {list(recompute_modules)}"
-        )
 
     def wrap(block: nn.Module) -> nn.Module:
         if mode == "op":

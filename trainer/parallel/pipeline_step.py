@@ -31,15 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import (
     BACKWARD_WEIGHT,
-    PipelineScheduleSingle,
     _Action,
     _add_send_recv,
     _add_unshard_reshard,
     _ComputationType,
     _PipelineSchedule,
-    get_schedule_class,
 )
 from torch.utils.checkpoint import GraphExecGroup
 
@@ -165,8 +164,8 @@ class PipelineStep(ParallelStep):
                 )
                 for module in self.stages
             ]
-            cls = get_schedule_class(plan.pp_schedule)
-            single = issubclass(cls, PipelineScheduleSingle)
+            cls = getattr(torch_schedules, plan.facts.torch_class)
+            single = plan.facts.family == "single"
             schedule = cls(
                 stages[0] if single else stages, n_microbatches=plan.pp_microbatches,
                 loss_fn=_train_loss if train else _eval_loss, scale_grads=False,

@@ -1,0 +1,34 @@
+"""The fast tier's 2-rank checks share one spawn of two gloo ranks (`two_ranks`).
+
+Starting a rank imports torch and the model code (seconds each on 2 cores), more than most of
+these checks take, so the ranks start once per session and run each worker in turn, each in a
+process group of its own (`spawn_local_jobs`): the EP dispatcher against one process
+(test_moe_ep.py), context-parallel MLA (test_cp_attention.py), Engram's sharded tables at world
+sizes 2 and 1 (test_engram_parallel.py) and the EP step's device reads (test_step_sync_ep.py). A
+selection of one of those modules runs them all (about a launch's cost more than it alone).
+"""
+
+import cp_attention_worker
+import engram_worker
+import moe_ep_worker
+import pytest
+import step_sync_worker
+
+from trainer.diagnostics import spawn_local_jobs
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory) -> dict[str, list]:
+    """Job name -> what its worker queued, one item per rank."""
+    workdir = tmp_path_factory.mktemp("step_sync_ep")
+    jobs = {
+        "moe_ep": (moe_ep_worker.run, ()),
+        "cp_attention": (cp_attention_worker.run, (cp_attention_worker.CASES,)),
+        # Precompute on and off: off changes the exchanges, not the sharding the world sizes vary.
+        "engram": (engram_worker.run, ((True, False),)),
+        # The unsharded tables, rank 0 alone in a group of one (rank 1 goes on to the next job).
+        "engram_world_1": (engram_worker.run, ((True,),), 1),
+        # Last: a Trainer, which sets the rank's environment (MASTER_PORT, RANK) and its logging.
+        "step_sync_ep": (step_sync_worker.run, (str(workdir),)),
+    }
+    return spawn_local_jobs(jobs, 2, timeout=600)
