@@ -100,8 +100,8 @@ def real_run(rank: int, world: int, port: int, workdir: str, flags: list[str], q
     import torch
 
     from trainer.config import load_config
-    from trainer.dry_run import track_step
-    from trainer.train import Trainer
+    from trainer.diagnostics import track_step
+    from trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(load_config([*flags, "--job.dump_folder", workdir, "--no-validation.enable",

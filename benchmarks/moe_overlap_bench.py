@@ -261,7 +261,7 @@ def _worker(rank: int, world: int, port: int, a, queue) -> None:
     from trainer.parallel.pipeline_step import PipelineStep
     from trainer.parallel.step import ParallelStep
     from trainer.runtime import resolve_path
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     folder = tempfile.mkdtemp()
     # Without PP: one row per accumulated micro-batch. DualPipeV: one schedule run per step, its

@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, argv: list[str], warmup: int, queu
     import torch
 
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     runs = _timed_schedule_runs()

@@ -1,6 +1,6 @@
 """Whole training step of a flavor: eager vs torch.compile, bf16 vs float8 (GPU), in one process.
 
-Every variant is the trainer's own ``Trainer`` (trainer/train.py: model build, parallelize
+Every variant is the trainer's own ``Trainer`` (trainer/trainer.py: model build, parallelize
 incl. the float8 converter and compile, loss, optimizer, data loader) built from the same
 config and seed, so all see the same weights and the same batches; a timed step is
 ``Trainer.train_step`` (forward + backward of the whole objective, clipping, optimizer), with
@@ -56,7 +56,7 @@ from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_ste
 from trainer.memory import estimate
 from trainer.model_args import build_model_args
 from trainer.runtime import resolve_path
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 FLOPS_CONVENTION = (
     "6 x active non-embedding params + attention 6*L*H*(qk+v)*seq, no causal halving, MTP included "

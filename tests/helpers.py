@@ -24,7 +24,7 @@ from trainer.checkpoint import COMPLETE
 from trainer.checkpoint.integrity import sha256_file
 from trainer.config import load_config
 from trainer.diagnostics import HostReadCounter
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 ATOMIC_OPS = ("aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_")
 

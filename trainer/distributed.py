@@ -39,15 +39,29 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(device: torch.device, timeout_seconds: float) -> None:
+def init_distributed(device: torch.device, timeout_seconds: float, fake: tuple[int, int] | None = None) -> None:
     """Initialises the default process group (torchrun's env:// variables) when WORLD_SIZE > 1.
 
     gloo serves CPU tensors, NCCL CUDA tensors; on a GPU machine both backends are registered
     (``cpu:gloo,cuda:nccl``) so small CPU-side collectives keep working. ``timeout_seconds``
     bounds the rendezvous store's waits (joining, making every later group) and the default
     group's collectives, until `set_collective_timeout` changes the latter.
+
+    ``fake``: (rank, world size) of a dry run (``job.dry_run``, trainer/dry_run.py): this one
+    process is that rank, on torch's fake backend, whose collectives return at once without
+    exchanging anything; every group of every mesh exists. Its store answers without peers.
     """
-    if world_size_from_env() == 1 or is_distributed():
+    if is_distributed():
+        return
+    if fake is not None:
+        # torch's own fake store (a testing module: no public one); importing it also registers the
+        # fake backend in a torch that does not register it itself.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        rank, world_size = fake
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        return
+    if world_size_from_env() == 1:
         return
     dist.init_process_group(timeout=timedelta(seconds=timeout_seconds), **_group_options(device))
 
@@ -56,7 +70,7 @@ def set_collective_timeout(seconds: float) -> None:
     """From now on, a collective of this process waits at most ``seconds`` for the other ranks, in
     every process group it belongs to: the default group, each DeviceMesh dim's group and those
     made with ``new_group`` (pipeline, tokenisation, async checkpoint), also those torch made
-    itself. A no-op without a process group. gloo then raises a RuntimeError naming the timeout
+    itself. A no-op without a process group or on the fake one. gloo then raises a RuntimeError naming the timeout
     (`is_collective_timeout`); NCCL's watchdog ends the process.
 
     Groups made later start with torch's backend default (30 min gloo, 10 min NCCL): call again.
@@ -65,8 +79,8 @@ def set_collective_timeout(seconds: float) -> None:
     this rank is in. ``ProcessGroup.set_timeout`` (both versions) sets every backend of a group
     (gloo and NCCL), as the private ``_set_pg_timeout`` does.
     """
-    if not is_distributed():
-        return
+    if not is_distributed() or dist.get_backend() == dist.Backend.FAKE:
+        return  # the fake backend (a dry run) waits for nothing
     timeout = timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map):
         group.set_timeout(timeout)

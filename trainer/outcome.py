@@ -15,8 +15,8 @@ from trainer.distributed import collective_timeout_message, destroy_distributed,
 from trainer.fault_tolerance import StopRequest, TrainingDiverged
 from trainer.launch_files import report_user_error
 
-if TYPE_CHECKING:  # trainer/train.py imports this module
-    from trainer.train import Trainer
+if TYPE_CHECKING:  # a type only: the entry (trainer/train.py) passes the class
+    from trainer.trainer import Trainer
 
 logger = logging.getLogger("trainer")
 

@@ -16,7 +16,7 @@ logger = logging.getLogger("trainer")
 
 
 def log_run_header(trainer) -> None:
-    """The start-of-run lines of a built `trainer.train.Trainer` (and its `config.toml` in the
+    """The start-of-run lines of a built `trainer.trainer.Trainer` (and its `config.toml` in the
     run folder)."""
     cfg, t = trainer.cfg, trainer.cfg.training
     if cfg.job.print_config:

@@ -17,7 +17,7 @@ def run(rank: int, world: int, port: int, workdir: str, extra: list[str], queue)
     )
     torch.set_num_threads(1)
     from tests.helpers import step_trainer
-    from trainer.dry_run import track_step
+    from trainer.diagnostics import track_step
 
     trainer = step_trainer(Path(workdir), "--training.device", "cpu", *extra)
     try:

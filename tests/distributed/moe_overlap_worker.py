@@ -7,7 +7,7 @@ DualPipeV on one of 4 ranks in ``pp 2 x dp_shard 2 x ep 2`` (``run_dualpipev``);
 From the same initial state (weights, MoE buffers, optimizer, LR schedule) each step object trains
 two steps on the same batches; each rank reports both runs' per-step losses and the names of the
 local gradients after step 1 (before clipping) that differ, and the overlapped run's step 2
-collective sequence (trainer/dry_run.py's ``CollectiveRecorder``: names, group sizes and shapes,
+collective sequence (trainer/diagnostics/collectives.py's ``CollectiveRecorder``: names, group sizes and shapes,
 an all-to-all's row counts left out, in issue order) and host reads.
 """
 
@@ -70,8 +70,7 @@ def _train(trainer, step_object, batches, last_step=nullcontext) -> tuple[list[f
 def _collectives():
     """Records the collectives (``ops``, the dry run's recorder) and the host reads (``reads``) of
     what runs inside."""
-    from trainer.diagnostics import HostReadCounter
-    from trainer.dry_run import CollectiveRecorder
+    from trainer.diagnostics import CollectiveRecorder, HostReadCounter
 
     seen = {}
     reads = HostReadCounter("cpu")

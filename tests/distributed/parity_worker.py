@@ -94,7 +94,7 @@ def _global_batches(trainer, n: int):
 
 
 def run_layout(layout: str, workdir: str) -> dict:
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     trainer = Trainer(_config(layout, os.path.join(workdir, layout)))
     try:
@@ -119,7 +119,7 @@ def check_init(layout: str, workdir: str) -> dict:
 
     from models.deepseek_v3.model import DeepSeekV3Model
     from trainer.parallel.weight_init import init_model_weights
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     trainer = Trainer(_config(layout, os.path.join(workdir, "init")))
     try:

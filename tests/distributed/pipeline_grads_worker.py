@@ -55,7 +55,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _objective(out, targets, aux_scale, n_valid, n_valid_mtp):
-    """The trainer's objective (trainer/train.py `Trainer.objective`) with its default loss."""
+    """The trainer's objective (trainer/trainer.py `Trainer.objective`) with its default loss."""
     from trainer.loss import cross_entropy_sum
 
     loss = cross_entropy_sum(out.logits, targets.labels) / n_valid

@@ -45,7 +45,7 @@ def _one_rank_stops(rank: int, world: int, port: int, launch_dir: str, dump: str
     )
     from trainer.config import load_config
     from trainer.outcome import run
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     report = Path(launch_dir, "attempt0", "rank0.err")  # torchrun's first attempt (trainer/launch_files.py)
 

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainer.config import load_config
 from trainer.outcome import run
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4

@@ -16,7 +16,7 @@ import pytest
 from trainer.config import load_config
 from trainer.diagnostics import free_port
 from trainer.run_folder import latest_run_folder
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -39,7 +39,7 @@ from tests.helpers import flip_bytes, tamper_entry, tamper_metadata
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.outcome import run
-from trainer.train import Trainer, main
+from trainer.trainer import Trainer, main
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -60,7 +60,7 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys
     import torch.distributed.checkpoint as dcp
     from trainer.config import load_config
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     class DieMidSave(dcp.FileSystemWriter):
         def write_data(self, plan, planner):

@@ -80,7 +80,7 @@ def _two_process_runs(tmp: Path) -> None:
 
     from trainer.config import load_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     torch.set_num_threads(1)
 

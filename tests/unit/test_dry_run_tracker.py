@@ -1,4 +1,4 @@
-"""The dry run's memory tracker (trainer/dry_run.py) under a zero-bubble schedule's split backward."""
+"""The dry run's memory tracker (trainer/diagnostics/memory_tracker.py) under a zero-bubble schedule's split backward."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
-from trainer.dry_run import StepMemTracker
+from trainer.diagnostics import StepMemTracker
 
 
 def _peak_over_micro_batches(micro_batches: int) -> int:

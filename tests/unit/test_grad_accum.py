@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 

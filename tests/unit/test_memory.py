@@ -93,7 +93,7 @@ def test_available_memory_on_cuda_counts_cached_free_blocks(monkeypatch):
 
 
 def test_the_trainer_asks_before_the_build_unless_switched_off(tmp_path):
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     def cfg(folder, *extra):
         return _cfg("--training.seq_len", "32", "--no-validation.enable", "--job.dump_folder", str(tmp_path / folder), *extra)

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import load_config
 from trainer.diagnostics import weight_cast_bytes
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 
 def _trainer(tmp_path, precision: str, local_batch: int = 2, cast: str = "fsdp") -> Trainer:

@@ -7,7 +7,7 @@ import torch
 
 from trainer.config import Profiling, load_config
 from trainer.profiling import Profiler, StepBreakdown
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 
 def test_trace_and_step_breakdown_in_a_training_run(tmp_path):

@@ -14,7 +14,7 @@ from trainer.config import load_config
 from trainer.diagnostics import HostReadCounter
 from trainer.loss import IGNORE_INDEX
 from trainer.parallel import ParallelDims, ParallelStep
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
