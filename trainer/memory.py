@@ -12,7 +12,8 @@ Activations are estimates of the tensors autograd saves per token and layer
 `ac="full"` keeps each block's input plus one block's activations during recompute; `ac="modules"`
 keeps what its per-op policy keeps (`block_activation_bytes`) plus one block's recomputed rest;
 `ac="op"` is `modules` with the cheap parts (norms, the experts' SwiGLU) chosen, the same policy;
-`ac="selective"` is `full` for every `selective_every`-th block of each stage and `none` for the rest.
+`ac="selective"` is `full` for every `selective_every`-th block of each pipeline rank (all its
+stages' layers in order) and `none` for the rest.
 The peak: gradients are freed at every step's end (`zero_grad(set_to_none=True)`) and allocated
 during backward while the saved activations are released, so the total holds parameters,
 optimizer states and the largest of (gradients + the embedding / head gradient temporaries),
@@ -249,7 +250,7 @@ def estimate(
     estimates many layouts of one model; computing them builds the model on the meta device).
     ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1).
     ``recompute_modules``: the parts ``ac="modules"`` recomputes (names or sets, as the config);
-    ``selective_every``: ``ac="selective"`` checkpoints every N-th block of each stage."""
+    ``selective_every``: ``ac="selective"`` checkpoints every N-th layer of each pipeline rank."""
     a = model_args or get_flavor(flavor)
     plan = pipeline or PipelinePlan()
     pp = plan.pp
@@ -315,19 +316,17 @@ def _recomputed_parts(ac: str, recompute_modules: tuple[str, ...]) -> tuple[str,
     return CHEAP_PARTS if ac == "op" else ()
 
 
-def _checkpointed_blocks(ac: str, bounds: list[int], n_layers: int, selective_every: int) -> list[bool]:
-    """Which of a rank's blocks (its stages' layers, then the MTP blocks) are checkpointed:
-    none under ``none``; under ``selective`` every ``selective_every``-th layer of each stage
-    counted from its first (trainer/parallel/activation_checkpoint.py wraps each stage's own
-    ``layers``), never an MTP block; all under the other modes."""
+def _checkpointed_blocks(ac: str, n_blocks: int, n_layers: int, selective_every: int) -> list[bool]:
+    """Which of a rank's ``n_blocks`` blocks (its stages' ``n_layers`` layers in the model's order,
+    then the MTP blocks) are checkpointed: none under ``none``; under ``selective`` every
+    ``selective_every``-th layer of the rank counted from its first (trainer/parallel/activation_checkpoint.py
+    wraps the rank's model, all its stages' layers together), never an MTP block; all under the
+    other modes."""
     if ac == "none":
-        return [False] * bounds[-1]
+        return [False] * n_blocks
     if ac != "selective":
-        return [True] * bounds[-1]
-    flags = []
-    for start, end in zip(bounds, bounds[1:]):
-        flags += [i < n_layers and (i - start) % selective_every == 0 for i in range(start, end)]
-    return flags
+        return [True] * n_blocks
+    return [i < n_layers and i % selective_every == 0 for i in range(n_blocks)]
 
 
 def _estimate_share(
@@ -402,7 +401,7 @@ def _estimate_share(
     # What each block keeps through the step, and what its recomputation brings back (the rest of
     # its no-checkpointing activations): one block's at a time in its backward.
     bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
-    checkpointed = _checkpointed_blocks(ac, bounds, len(layers), selective_every)
+    checkpointed = _checkpointed_blocks(ac, len(kinds), len(layers), selective_every)
     kept_bytes = {
         moe: block_activation_bytes(a, moe, "modules" if parts else "full", parts, tp, cp, act_bytes, fp32_norms) * tokens
         for moe in set(kinds)

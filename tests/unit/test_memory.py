@@ -355,7 +355,7 @@ def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
 
     parts = recompute_module_set(("deepseek",)) if mode == "modules" else CHEAP_PARTS if mode == "op" else ()
     kinds = [i >= a.n_dense_layers for i in range(a.n_layers)]
-    flags = _checkpointed_blocks(mode, [0, a.n_layers], a.n_layers, 2)
+    flags = _checkpointed_blocks(mode, a.n_layers, a.n_layers, 2)
     assert flags == ([False] * 6 if mode == "none" else [True, False] * 3 if mode == "selective" else [True] * 6)
     per_token = [
         block_activation_bytes(a, moe, "modules" if parts else "full", parts) if checkpointed
