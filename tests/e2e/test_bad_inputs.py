@@ -73,6 +73,8 @@ def assert_refused(proc, seconds, ngpu, *names, prelaunch):
         (2, ["--parallelism.pp_schedule", "1f1b"], ["parallelism.pp_schedule = '1f1b'", "GPipe, 1F1B", "'1F1B'?"]),
         # The flavor's shape is read without torch: heads tp does not divide are refused before launch.
         (3, ["--parallelism.tp", "3", "--training.seq_len", "33"], ["parallelism.tp = 3", "n_heads = 4"]),
+        # Launched, it would compile for minutes and then fail in DTensor's backward (docs/compile.md).
+        (2, ["--parallelism.tp", "2", "--training.compile"], ["parallelism.tp = 2 with training.compile", "drop --training.compile"]),
     ],
 )
 def test_config_mistakes_fail_before_launch(tmp_path, ngpu, args, names):

@@ -149,6 +149,10 @@ def test_no_warnings_for_defaults_bundled_configs_and_deliberate_switches():
         # The MoE all-to-all overlap (issue 31): what it does not run, one line each.
         (2, ["--parallelism.moe_overlap"], ["parallelism.moe_overlap overlaps the expert-parallel", "ep > 1"]),
         (
+            2, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--training.compile"],
+            ["moe_overlap runs each MoE block eagerly node by node: drop --training.compile"],
+        ),
+        (
             2, ["--parallelism.moe_overlap", "--parallelism.ep", "2", "--activation_checkpoint.mode", "full"],
             ["never recomputes a block", "--activation_checkpoint.mode none", "drop --parallelism.moe_overlap"],
         ),
