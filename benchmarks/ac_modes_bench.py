@@ -29,7 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from models.common.rope import precompute_freqs_cis
 from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.model import TransformerBlock
-from trainer.config.schema import recompute_module_set
+from trainer.config.activation_checkpoint import recompute_module_set
 from trainer.memory import block_activation_bytes
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
