@@ -7,10 +7,13 @@ the memory estimate of a 671B layout with and without pipelining.
     python benchmarks/pp_bench.py --split even         # the old even split of layer equivalents
     python benchmarks/pp_bench.py --dp-shard 2         # pp 2 x FSDP 2 on 4 processes
     python benchmarks/pp_bench.py --ac full            # every run with full activation checkpointing
+    python benchmarks/pp_bench.py --ac none full op    # each schedule once per activation checkpointing mode
 
 Each schedule trains the debug model with the real `Trainer` (gloo, fp32, one thread per rank,
 the same global batch) on ``--pp x --dp-shard`` processes. The step time is the median over the
-steps after the first two (warm-up), from the run's tokens/s. Inside each schedule run (torch's
+steps after the first two (warm-up), from the run's tokens/s; the peak memory per pipeline rank is
+what the trainer logs at the last step (``memory_gib_pp<r>``: on CPU the process's peak resident
+set, torch and the data included). Inside each schedule run (torch's
 ``step``: the pipeline's forwards, backwards, transfers and gradient reduction, not the optimizer)
 every rank times its stages' compute (PipelineStage forward / backward / weight-backward):
 
@@ -117,7 +120,7 @@ def even_layout(n_layers: int, mtp_depth: int, n_stages: int) -> str:
     return "|".join(("E" if s.first else "") + "t" * len(s.layers) + ("L" if s.last else "") for s in specs)
 
 
-def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
+def run(folder: Path, schedule: str, microbatches: int, ac: str, args) -> dict:
     stages = PipelinePlan(pp=args.pp, pp_schedule=schedule).pp_stages_per_rank
     argv = [
         "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
@@ -128,7 +131,7 @@ def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
         "--no-job.print_config", "--lr_scheduler.warmup_steps", "2",
         "--parallelism.pp", str(args.pp), "--parallelism.dp_shard", str(args.dp_shard),
         "--parallelism.pp_schedule", schedule, "--parallelism.pp_microbatches", str(microbatches),
-        "--activation_checkpoint.mode", args.ac,
+        "--activation_checkpoint.mode", ac,
     ]
     if args.split == "even":
         from models.deepseek_v3 import get_flavor
@@ -141,8 +144,10 @@ def run(folder: Path, schedule: str, microbatches: int, args) -> dict:
     times = [tokens_per_device / r["tokens_per_sec"] for r in records if r["step"] > 2 and "tokens_per_sec" in r]
     pipeline = sorted((r for r in ranks if r["data_rank"] == 0), key=lambda r: r["pp_rank"])
     busy = [r["busy_s"] for r in pipeline]
+    last = records[-1]
     return {
-        "stages_per_rank": stages, "microbatches": microbatches, "step_s": statistics.median(times),
+        "ac": ac, "stages_per_rank": stages, "microbatches": microbatches, "step_s": statistics.median(times),
+        "peak_gib_per_pp_rank": [last.get(f"memory_gib_pp{r}", last.get("memory_gib")) for r in range(args.pp)],
         "bubble_per_rank": [1 - r["busy_s"] / r["run_s"] for r in pipeline],
         "work_share_per_rank": [b / sum(busy) for b in busy],
     }
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="pp_microbatches (at least the schedule's fewest; -1: the fewest)")
     p.add_argument("--split", choices=("cost", "even"), default="cost",
                    help="stage split: by estimated cost (the trainer's) or the even split of layer equivalents")
-    p.add_argument("--ac", default="none", choices=typing.get_args(ACMode), help="activation_checkpoint.mode of every run")
+    p.add_argument("--ac", nargs="+", default=["none"], choices=typing.get_args(ACMode),
+                   help="activation_checkpoint.mode: each schedule runs once per mode given")
     p.add_argument("--gpus", type=int, default=2048, help="GPUs of the 671B memory comparison (a multiple of 16)")
     args = p.parse_args(argv)
 
@@ -195,21 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.schedules:
             micro = max(args.microbatches, PipelinePlan(pp=args.pp, pp_schedule=name).pp_microbatches)
-            try:
-                results["schedules"][name] = run(Path(tmp) / name, name, micro, args)
-            except Exception as e:  # one schedule's failure must not hide the others' figures
-                results["schedules"][name] = {"microbatches": micro, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            for ac in args.ac:
+                key = name if len(args.ac) == 1 else f"{name} / AC {ac}"
+                try:
+                    results["schedules"][key] = run(Path(tmp) / name / ac, name, micro, ac, args)
+                except Exception as e:  # one run's failure must not hide the others' figures
+                    results["schedules"][key] = {"microbatches": micro,
+                                                 "error": f"{type(e).__name__}: {e}".splitlines()[0]}
     print(f"pp {args.pp} x dp_shard {args.dp_shard}, debug model, seq_len {args.seq_len}, global batch {args.batch}, "
-          f"{args.split} split, AC {args.ac}\n")
-    print("| schedule | stages/rank | micro-batches | step (s) | bubble per pp rank | stage work per pp rank |")
-    print("|---|---|---|---|---|---|")
+          f"{args.split} split, AC {', '.join(args.ac)}\n")
+    print("| schedule | stages/rank | micro-batches | step (s) | peak GiB per pp rank | bubble per pp rank | "
+          "stage work per pp rank |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results["schedules"].items():
         if "error" in r:
-            print(f"| {name} | | {r['microbatches']} | failed: {r['error']} | | |")
+            print(f"| {name} | | {r['microbatches']} | failed: {r['error']} | | | |")
             continue
+        peak = " / ".join(f"{m:.3f}" for m in r["peak_gib_per_pp_rank"])
         bubble = " / ".join(f"{b:.2f}" for b in r["bubble_per_rank"])
         share = " / ".join(f"{w:.0%}" for w in r["work_share_per_rank"])
-        print(f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['step_s']:.3f} | {bubble} | {share} |")
+        print(f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['step_s']:.3f} | {peak} | {bubble} | "
+              f"{share} |")
     rows = memory_rows(args.gpus)
     results["memory_671b"] = rows
     print(f"\n671B on {args.gpus} GPUs, seq_len 4096, AC full (estimate, GiB/GPU, the fullest pp rank):\n")

@@ -8,8 +8,8 @@ experts) to refuse a layout that does not fit the model before any process start
 Shapes of `16B`, `236B` and `671B` are those of DeepSeek-V2-Lite, DeepSeek-V2 and DeepSeek-V3
 (their inference configs), each with its release's YaRN `rope_scaling` (factor 40 over 4096
 original positions, context 163840). `debugmodel` (the dataclass defaults, spelled out),
-`debugmodel_v3vocab` (the same with V3's vocabulary) and `proxy_1b` are from-scratch shapes with
-plain RoPE.
+`debugmodel_v3vocab` (the same with V3's vocabulary), `debugmodel_8blocks` (the same with 8 blocks)
+and `proxy_1b` are from-scratch shapes with plain RoPE.
 """
 
 import difflib
@@ -33,6 +33,9 @@ def _table() -> dict[str, dict]:
         # debugmodel's widths with DeepSeek-V3's vocabulary (its tokenizer's 128,815 ids in V3's 129,280
         # rows, EOS 1): CPU tests of a run with DeepSeek's real tokenizer.json (docs/continued_pretraining.md).
         "debugmodel_v3vocab": {**debugmodel, "moe": dict(debugmodel["moe"]), "vocab_size": 129280, "eos_id": 1},
+        # debugmodel with 8 blocks, the fewest that DualPipeV at pp 4 (8 stages, a block or more each)
+        # can split: CPU tests of a 4-rank V pipeline (tests/distributed/test_ac_schedules.py).
+        "debugmodel_8blocks": {**debugmodel, "moe": dict(debugmodel["moe"]), "n_layers": 8},
         # V3's structure (sigmoid group-limited routing, q bottleneck, shared expert, MTP) at ~1B total
         # / ~0.3B active parameters with V3's vocabulary: trains at seq 4096 on one 80 GB GPU.
         "proxy_1b": dict(

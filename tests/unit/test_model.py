@@ -91,6 +91,8 @@ def test_flavors_are_fresh_and_valid():
     assert get_flavor("debugmodel") == DeepSeekV3ModelArgs()
     # The debug model with DeepSeek-V3's embedding (129,280 rows, EOS 1) and nothing else changed.
     assert get_flavor("debugmodel_v3vocab") == DeepSeekV3ModelArgs(vocab_size=129280, eos_id=1)
+    # The debug model with two more blocks (DualPipeV at pp 4) and nothing else changed.
+    assert get_flavor("debugmodel_8blocks") == DeepSeekV3ModelArgs(n_layers=8)
     proxy_total, _ = count_params(get_flavor("proxy_1b"))
     assert 0.8e9 < proxy_total < 1.3e9
 
