@@ -35,7 +35,7 @@ def train(flags: list[str], folder: Path) -> dict[int, dict] | None:
     elsewhere)."""
     from trainer.config import load_config
     from trainer.run_folder import latest_run_folder
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     trainer = Trainer(load_config([*COMMON, "--job.dump_folder", str(folder), *flags]))
     try:
