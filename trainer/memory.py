@@ -45,6 +45,12 @@ blocks without checkpointing, on top of the checkpointed in-flight micro-batches
 gradients use is freed as the pass goes, so this errs high (the debug model's ZBVZeroBubble rank 0
 holds 0.6 of a copy by the dry run; torch's own weight pass, recomputing per group, held 4.0).
 
+Late in a DualPipeV step a rank holds weight passes waiting (``weight_pass_drain``: r + 1 on pp
+rank r, at most ``pp_max_deferred_weight_passes``), each the gradient at every use of a weight of
+its stage (``weight_grad_output_bytes``), beside the micro-batches of its first stage still in
+flight: a second candidate for the late backward (traced in benchmarks/RESULTS.md, "Waiting
+weight passes").
+
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
   non-embedding parameter lives through forward and backward (autocast's weight cache, or FSDP2's
