@@ -631,6 +631,9 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
                 f"use parallelism.pp_schedule Interleaved1F1B or 1F1B (under {dims.pipeline.pp_schedule} full AC "
                 "keeps the weight pass's recomputed activations, docs/performance.md)"
             )
+            if dims.pipeline.pp_schedule == "DualPipeV":
+                # Late in the step its ranks keep weight passes waiting (`weight_pass_drain`).
+                fixes.append("lower parallelism.pp_max_deferred_weight_passes (e.g. 8: docs/parallelism.md)")
         raise ConfigError(
             f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
             f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "
