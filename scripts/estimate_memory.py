@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp_stages_per_rank", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--pp_microbatches", type=int, default=-1, help="-1: the schedule's default")
     p.add_argument("--pp_layout", default="", help="explicit stage split, as parallelism.pp_layout (empty: by cost)")
+    p.add_argument("--pp_max_deferred_weight_passes", type=int, default=-1,
+                   help="as parallelism.pp_max_deferred_weight_passes (-1: the schedule's own)")
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--local_batch_size", type=int, default=1,
                    help="sequences per data rank per accumulation micro-batch (with --pp: split into --pp_microbatches)")

@@ -194,7 +194,10 @@ def peak_pp_ranks(cfg: JobConfig, plan: PipelinePlan) -> list[int]:
     keeps no more than rank r - 1, so the lowest rank of each such class peaks; under a V schedule
     (rank r holds stages r and 2 pp - 1 - r) rank r keeps 2 pp - r - 1 micro-batches of its first
     stage and r + 1 of its second at the deepest point of the warm-up (torch's ZBV and DualPipeV),
-    a peak linear in r, so the lowest or the highest rank of each class peaks. docs/planning.md."""
+    a peak linear in r, so the lowest or the highest rank of each class peaks. DualPipeV's rank r
+    also ends its step with r + 1 weight passes waiting; ``pp_max_deferred_weight_passes`` = N
+    holds that at N from rank N - 1 on, where fewer micro-batches stay in flight with each rank:
+    rank N - 1 can peak too. docs/planning.md."""
     args = resolve_flavor(cfg)
     specs = plan.split(args.n_layers, args.mtp_depth, PipelineCosts(**stage_unit_costs(args, cfg.training.seq_len)))
     engram = set(cfg.engram.layer_ids) if cfg.engram.enable else set()
@@ -215,7 +218,11 @@ def peak_pp_ranks(cfg: JobConfig, plan: PipelinePlan) -> list[int]:
     for rank in range(plan.pp):
         classes.setdefault(holds(rank), []).append(rank)
     ends = (min, max) if plan.v_shaped else (min,)
-    return sorted({end(ranks) for ranks in classes.values() for end in ends})
+    peaks = {end(ranks) for ranks in classes.values() for end in ends}
+    cap = plan.pp_max_deferred_weight_passes
+    if plan.pp_schedule == "DualPipeV" and 0 < cap <= plan.pp:
+        peaks.add(cap - 1)
+    return sorted(peaks)
 
 
 def rehearsal_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:

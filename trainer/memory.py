@@ -46,6 +46,12 @@ blocks without checkpointing, on top of the checkpointed in-flight micro-batches
 gradients use is freed as the pass goes, so this errs high (the debug model's ZBVZeroBubble rank 0
 holds 0.6 of a copy by the dry run; torch's own weight pass, recomputing per group, held 4.0).
 
+Late in a DualPipeV step a rank holds weight passes waiting (``weight_pass_drain``: r + 1 on pp
+rank r, at most ``pp_max_deferred_weight_passes``), each the gradient at every use of a weight of
+its stage (``weight_grad_output_bytes``), beside the micro-batches of its first stage still in
+flight: a second candidate for the late backward (traced in benchmarks/RESULTS.md, "Waiting
+weight passes").
+
 On CUDA three more terms (docs/performance.md "Memory estimate"):
 * bf16 compute weights: with bf16 mixed precision and no FSDP sharding, one bf16 copy of every
   non-embedding parameter lives through forward and backward (autocast's weight cache, or FSDP2's
@@ -194,6 +200,46 @@ def block_activation_bytes(
     return kept * act_bytes + lse + norms
 
 
+def weight_grad_output_bytes(a: DeepSeekV3ModelArgs, moe: bool, tp: int = 1, act_bytes: int = 4) -> float:
+    """Bytes a waiting weight pass of one block holds per *local* token: torch's input pass keeps,
+    for the weight pass, the gradient of the output of every op that uses a weight (its
+    ``param_groups``' ``grads``, trainer/parallel/pipeline_step.py `cap_deferred_weight_passes`), in
+    the compute dtype, whatever the checkpointing: each matmul's output width, each norm's (the
+    product with its weight), the router's logits and the routed experts' rows."""
+    d, heads = a.dim, a.n_heads / tp
+    width = 2 * d / tp + d  # attn_norm and ffn_norm products, wo's output
+    if a.q_lora_rank:
+        width += 2 * a.q_lora_rank + heads * a.qk_head_dim  # wq_a, q_norm, wq_b
+    else:
+        width += heads * a.qk_head_dim  # wq
+    width += a.kv_lora_rank + a.qk_rope_head_dim + a.kv_lora_rank  # wkv_a, kv_norm
+    width += heads * (a.qk_nope_head_dim + a.v_head_dim)  # wkv_b
+    if moe:
+        m = a.moe
+        width += m.num_experts + m.top_k * (2 * a.moe_inter_dim + d)  # router; w1, w3, w2 of each routed row
+        width += (2 * m.num_shared_experts * a.moe_inter_dim / tp + d) if m.num_shared_experts else 0
+    else:
+        width += 2 * a.inter_dim / tp + d
+    return width * act_bytes
+
+
+def weight_pass_drain(plan: PipelinePlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where pp rank ``rank`` keeps the most weight passes waiting, per stage of the rank (in stage
+    order): (waiting weight passes, micro-batches still in flight), each one micro-batch's; None
+    where no weight pass waits for long. DualPipeV's rank r ends its step 6 (torch's schedule,
+    B1B0) with r + 1 input passes whose weight passes run in its step 8, alternating between its
+    second and its first stage and ending on the first, while pp - r - 1 micro-batches of its
+    first stage wait for their backward (step 7) and none of its second;
+    ``pp_max_deferred_weight_passes`` keeps the newest of the waiting ones. ZBVZeroBubble and
+    InterleavedZeroBubble run each weight pass soon after its input pass (not modelled: None)."""
+    if plan.pp_schedule != "DualPipeV":
+        return None
+    waiting = min(rank + 1, plan.pp_microbatches)
+    cap = plan.pp_max_deferred_weight_passes
+    waiting = waiting if cap < 0 else min(waiting, cap)
+    return ((waiting + 1) // 2, waiting // 2), (plan.pp - rank - 1, 0)
+
+
 MiB = 1024**2
 CUBLAS_WORKSPACE_BYTES = 32 * MiB  # per stream: CUBLAS_WORKSPACE_CONFIG default ":4096:8" (8 x 4 MiB)
 _SMALL_ROUND = 512  # CUDA caching allocator: every size rounds up to 512 bytes
@@ -283,12 +329,18 @@ def estimate(
         stage_io = (sum(not s.first for s in mine) + sum(not s.last for s in mine), sum(not s.last for s in mine))
         # `_estimate_share` reads the blocks by kind only: ranks with the same kinds, ends, stages and
         # in-flight count (a zero-bubble or V schedule's middle ranks) share one estimate.
-        key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io)
+        # The first stage's input pass does not run (torch: no input gradient), so its waiting weight
+        # pass holds its graph, the in-flight activations, and no output gradients.
+        drain = weight_pass_drain(plan, rank)
+        if drain:
+            drain = (tuple(0 if s.first else n for s, n in zip(mine, drain[0])), drain[1])
+        key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io,
+               drain)
         if key not in shares:
             shares[key] = _estimate_share(
                 a, layers, first or (last and a.mtp_depth > 0), last, last, local_batch_size // micro, in_flight,
                 pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
-                micro=micro, **share,
+                micro=micro, drain=drain, **share,
             )
         ranks.append(shares[key])
     worst = max(ranks, key=lambda r: r["gib"]["total"])
@@ -336,6 +388,7 @@ def _estimate_share(
     pipelined: bool = False,
     zero_bubble: bool = False,
     stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
+    drain: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
@@ -344,7 +397,8 @@ def _estimate_share(
     ``stage_blocks``: how many of the blocks (then MTP modules) each of those stages runs, in order;
     ``stage_io``: how many activation-sized buffers its stages receive per micro-batch (the input of a
     stage not first, the output gradient of one not last), and how many of them are not last (their
-    output stays until its backward); ``micro``: the step's micro-batches."""
+    output stays until its backward); ``micro``: the step's micro-batches; ``drain``: per stage,
+    the weight passes waiting and the micro-batches in flight where most wait (`weight_pass_drain`)."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -409,11 +463,23 @@ def _estimate_share(
     kept = [kept_bytes[k] if c else saved for k, c, saved in zip(kinds, checkpointed, per_layer)]
     # (full's recomputation counted whole, as before the per-op modes: its kept input is small.)
     recomputed = [(saved if not parts else saved - k) if c else 0.0 for saved, k, c in zip(per_layer, kept, checkpointed)]
-    act = sum(kept) * in_flight + max(recomputed, default=0.0)
+    block_recompute = max(recomputed, default=0.0)
+    extra = block_recompute
     if zero_bubble:
         # The weight pass recomputes a checkpointed stage once (module docstring): the largest
         # stage's checkpointed blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
-        act += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
+        extra += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
+    act = sum(kept) * in_flight + extra
+    drain_act = 0.0
+    if drain:
+        # Late in the backward: each waiting weight pass holds its stage's blocks' weight-output
+        # gradients (`weight_grad_output_bytes`) beside the micro-batches still in flight, while an
+        # input pass recomputes one block, or a weight pass its stage (then one fewer waits).
+        grad_out = {moe: weight_grad_output_bytes(a, moe, tp, act_bytes) * tokens for moe in set(kinds)}
+        waiting = sum(n * sum(grad_out[k] for k in kinds[i:j]) for n, i, j in zip(drain[0], bounds, bounds[1:]))
+        passes = [sum(grad_out[k] for k in kinds[i:j]) for n, i, j in zip(drain[0], bounds, bounds[1:]) if n]
+        in_flight_held = sum(n * sum(kept[i:j]) for n, i, j in zip(drain[1], bounds, bounds[1:]))
+        drain_act = in_flight_held + max(block_recompute + waiting, extra - block_recompute + waiting - min(passes, default=0.0))
     # Logits, their fp32 log-softmax in the loss and its fp32 gradient, per head use (main + MTP).
     logits = (1 + n_mtp) * tokens * a.vocab_size / tp * (act_bytes + 4 + 4) if head else 0.0
     if head and fp32_norms:  # the final norm and each MTP module's three outside its block
@@ -457,7 +523,7 @@ def _estimate_share(
     # its embedding / head gradient temporaries (its root's parameters are in stage_unsharded_params).
     held_logits = (1 + n_mtp) * tokens * a.vocab_size / tp * act_bytes if head else 0.0
     if pipelined:
-        late_backward = held_logits + backward_tmp * GiB + act
+        late_backward = held_logits + backward_tmp * GiB + max(act, drain_act)
     else:
         root_unsharded = 2 * embed_head / tp * act_bytes if fsdp > 1 else 0.0
         late_backward = held_logits + root_unsharded + max(per_layer, default=0.0)
@@ -549,6 +615,9 @@ def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device,
                 f"use parallelism.pp_schedule Interleaved1F1B or 1F1B (under {dims.pipeline.pp_schedule} full AC "
                 "keeps the weight pass's recomputed activations, docs/performance.md)"
             )
+            if dims.pipeline.pp_schedule == "DualPipeV":
+                # Late in the step its ranks keep weight passes waiting (`weight_pass_drain`).
+                fixes.append("lower parallelism.pp_max_deferred_weight_passes (e.g. 8: docs/parallelism.md)")
         raise ConfigError(
             f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
             f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "

@@ -100,10 +100,10 @@ def _count_block_calls(model) -> dict[tuple[str, float], int]:
 
 
 def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control: bool, ac: str = "none",
-               torch_weight_pass: bool = False):
-    """This rank's model after one forward and backward, whether the guard refused, and the
-    checkpointed blocks' calls (`_count_block_calls`). ``torch_weight_pass``: torch's runtime runs
-    the weight pass itself (module doc)."""
+               torch_weight_pass: bool = False, max_deferred: int = -1):
+    """This rank's model after one forward and backward, whether the guard refused, the
+    checkpointed blocks' calls and the step (`_count_block_calls`). ``torch_weight_pass``: torch's runtime runs
+    the weight pass itself (module doc). ``max_deferred``: ``pp_max_deferred_weight_passes``."""
     from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
     from models.deepseek_v3 import DeepSeekV3Model
@@ -113,7 +113,8 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
     from trainer.parallel.pipeline_step import PipelineStep, activation_meta
 
     world = dist.get_world_size()
-    parallelism = Parallelism(pp=pp, dp_shard=dp_shard, ep=ep, pp_schedule=schedule)
+    parallelism = Parallelism(pp=pp, dp_shard=dp_shard, ep=ep, pp_schedule=schedule,
+                              pp_max_deferred_weight_passes=max_deferred)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_meshes("cpu")
     training = Training(seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dims.dp_degree,
@@ -150,7 +151,19 @@ def _pipelined(schedule: str, pp: int, dp_shard: int, ep: int, negative_control:
         step.forward_backward(micro, objective, contextlib.nullcontext)
     # What the step owes the gradients before the optimizer (the embedding replica's sum); no clip.
     step.finish_grads([p for p in model.parameters() if p.grad is not None], 0.0)
-    return model, refused, calls
+    return model, refused, calls, step
+
+
+def _most_waiting(step) -> int:
+    """The most weight passes waiting at once in this rank's executed order."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
+
+    schedule = step.schedule(torch.device("cpu"), train=True)
+    waiting = most = 0
+    for action in schedule.pipeline_order_with_comms[schedule.rank]:
+        waiting += {BACKWARD_INPUT: 1, BACKWARD_WEIGHT: -1}.get(action.computation_type, 0)
+        most = max(most, waiting)
+    return most
 
 
 def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
@@ -167,16 +180,24 @@ def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
     try:
         reference = _reference_grads()
         for case in cases:
-            model, refused, calls = _pipelined(**case)
+            model, refused, calls, step = _pipelined(**case)
             torch_path = {}
             if case.get("ac", "none") != "none" and case["schedule"] in ZERO_BUBBLE_SCHEDULES:
-                torch_model, _, torch_calls = _pipelined(**case, torch_weight_pass=True)
+                torch_model, _, torch_calls, _ = _pipelined(**case, torch_weight_pass=True)
                 torch_grads = dict(torch_model.named_parameters())
                 torch_path = {
                     "calls": torch_calls,
                     "bitwise": all(torch.equal(p.grad, torch_grads[name].grad)
                                    for name, p in model.named_parameters() if p.grad is not None),
                 }
+                if case["schedule"] == "DualPipeV":
+                    # One weight pass at most waiting: the oldest taken in its input pass instead.
+                    capped, _, _, capped_step = _pipelined(**case, max_deferred=1)
+                    capped_grads = dict(capped.named_parameters())
+                    torch_path["capped_bitwise"] = all(
+                        torch.equal(p.grad, capped_grads[name].grad)
+                        for name, p in model.named_parameters() if p.grad is not None)
+                    torch_path["waiting"] = (_most_waiting(step), _most_waiting(capped_step))
             worst, missing = 0.0, []
             for name, param in model.named_parameters():
                 if param.grad is None:

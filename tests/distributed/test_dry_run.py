@@ -129,6 +129,9 @@ def test_default_ranks_are_the_pp_ranks_that_can_peak():
     assert default_ranks(load_config(dual)) == [0, 16, 48]
     assert default_ranks(load_config([*dual, "--engram.enable", "--engram.layer_ids", "6"])) == [0, 16, 32, 48]
     assert default_ranks(load_config([*dual, "--dry_run.ranks", "all_stages"])) == [0, 16, 32, 48]
+    # At most 3 weight passes waiting: from pp rank 2 on each keeps 3, and fewer in flight.
+    capped = [*dual, "--parallelism.pp_max_deferred_weight_passes", "3"]
+    assert default_ranks(load_config(capped)) == [0, 16, 32, 48]
 
 
 @pytest.mark.slow

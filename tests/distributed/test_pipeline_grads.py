@@ -8,6 +8,7 @@ zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
   checkpointed block at most once per micro-batch for its input gradients and once for its weight
   gradients, where torch's own weight pass recomputes it once per parameter group, and the
   gradients equal torch's path bit for bit (the same calls on the same recomputed values).
+  DualPipeV once more with at most one weight pass waiting: bitwise the same gradients.
 - pp 2 x FSDP 2 on 4 ranks with DualPipeV, ZBVZeroBubble and InterleavedZeroBubble, and the V
   schedules with EP 2 too: the stage modules are FSDP roots with ``reshard_after_forward=False``
   inside, and every gradient (the routed experts' second parameter group on "efsdp" included) is
@@ -85,6 +86,12 @@ def test_every_schedule_matches_one_process():
             # The count sees torch's repeats: its weight pass recomputes a block per parameter group.
             assert max(theirs) > 2, (schedule, r["rank"], r["torch_path"]["calls"])
             assert r["torch_path"]["bitwise"], (schedule, r["rank"])
+    # DualPipeV with at most one weight pass waiting (``pp_max_deferred_weight_passes = 1``): rank 1
+    # ends the schedule's own order with two waiting; the oldest is taken in its input pass
+    # instead, and every gradient is bitwise the schedule's own order's.
+    capped = [r["torch_path"] for r in results["DualPipeV", "full"]]
+    assert [c["waiting"] for c in capped] == [(1, 1), (2, 1)], capped
+    assert all(c["capped_bitwise"] for c in capped), capped
 
 
 @pytest.fixture(scope="module")

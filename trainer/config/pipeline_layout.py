@@ -72,6 +72,7 @@ class PipelinePlan:
     pp_stages_per_rank: int = -1
     pp_microbatches: int = -1
     pp_layout: str = ""
+    pp_max_deferred_weight_passes: int = -1
 
     def __post_init__(self) -> None:
         facts = self.facts  # ConfigError naming the known schedules for any other
@@ -115,6 +116,11 @@ class PipelinePlan:
         if not self.enabled:
             return []
         problems = schedule_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
+        if self.pp_max_deferred_weight_passes < -1:
+            problems.append(
+                f"parallelism.pp_max_deferred_weight_passes = {self.pp_max_deferred_weight_passes} must be >= 0, "
+                "or -1 for the schedule's own; use e.g. 8"
+            )
         return problems + pp_layout_problems(self.pp_layout, self.n_stages)
 
     def stage_ranks(self) -> tuple[int, ...]:

@@ -387,6 +387,11 @@ class Parallelism(Section):
     pp_microbatches: int = option(
         -1, "Pipeline micro-batches per step; -1 = the fewest that fill the pipeline (pp, or all stages for V schedules)"
     )
+    pp_max_deferred_weight_passes: int = option(
+        -1,
+        "Zero-bubble schedules: most weight passes a rank keeps waiting (each holds its micro-batch's "
+        "gradients at every weight's use); past it the oldest is taken in its input pass; -1 = the schedule's own",
+    )
     pp_layout: str = option(
         "", "Explicit stage split: stages split by '|', E embedding, t block, L head+MTP, e.g. 'Et*2|t*4L'; empty = even"
     )

@@ -170,6 +170,8 @@ class PipelineStep(ParallelStep):
                 stages[0] if single else stages, n_microbatches=plan.pp_microbatches,
                 loss_fn=_train_loss if train else _eval_loss, scale_grads=False,
             )
+            if train and plan.zero_bubble and plan.pp_max_deferred_weight_passes >= 0:
+                cap_deferred_weight_passes(schedule.pipeline_order_with_comms, plan.pp_max_deferred_weight_passes)
             if not single and isinstance(self.stages[0], FSDPModule):
                 check_shared_params_reduced_last(
                     schedule.pipeline_order_with_comms[schedule.rank], self.stages, plan.pp_schedule
@@ -326,6 +328,38 @@ def weight_pass(stage: PipelineStage, mb: int, last_backward: bool) -> None:
     are torch's, so the gradients are too, bit for bit (tests/distributed/test_pipeline_grads.py)."""
     with GraphExecGroup():
         stage.backward_weight_one_chunk(mb, last_backward=last_backward)
+
+
+def cap_deferred_weight_passes(orders: dict[int, list[_Action]], cap: int) -> None:
+    """Rewrites each rank's action order (in place) so that at most ``cap`` weight passes wait at
+    any point: when an input pass would make ``cap`` + 1, the oldest waiting one becomes a full
+    backward where its input pass stood and its weight pass goes. A waiting weight pass holds its
+    micro-batch's gradient at every use of a weight (the ``grads`` torch's input pass keeps for
+    it: about half a block's activations per block, with or without checkpointing), and DualPipeV
+    ends rank r's step with r + 1 of them waiting (torch's step 8, ``W`` x (r + 1)): 16 on the 671B
+    layout's pp rank 15, 49 GiB (docs/parallelism.md). Taking the oldest keeps every stage's
+    weight gradients accumulating in micro-batch order (the queue is first in, first out), so the
+    gradients are bitwise those of the schedule's own order (tests/distributed/test_pipeline_grads.py);
+    the price is the input gradient sent later by a weight pass's time at those backwards."""
+    for rank, order in orders.items():
+        waiting: list[int] = []  # positions of input passes whose weight pass has not run
+        taken: set[tuple[int, int]] = set()  # (stage, micro-batch) whose weight pass goes
+        for i, action in enumerate(order):
+            kind = action.computation_type
+            if kind == _ComputationType.BACKWARD_INPUT:
+                waiting.append(i)
+                if len(waiting) > cap:
+                    j = waiting.pop(0)
+                    oldest = order[j]
+                    order[j] = _Action(oldest.stage_index, _ComputationType.FULL_BACKWARD, oldest.microbatch_index)
+                    taken.add((oldest.stage_index, oldest.microbatch_index))
+            elif kind == BACKWARD_WEIGHT:
+                key = (action.stage_index, action.microbatch_index)
+                waiting = [j for j in waiting if (order[j].stage_index, order[j].microbatch_index) != key]
+        orders[rank] = [
+            a for a in order
+            if not (a.computation_type == BACKWARD_WEIGHT and (a.stage_index, a.microbatch_index) in taken)
+        ]
 
 
 def check_zero_bubble_stages(stages: list[nn.Module], schedule: str) -> None:
