@@ -38,7 +38,7 @@ logits are held: the late-backward side; the micro-batches in flight follow each
 warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py).
 
 A zero-bubble schedule with full activation checkpointing: the weight pass of a stage recomputes
-each checkpointed block once (trainer/parallel/pipeline_step.py `weight_pass`: torch's one
+each checkpointed block once (trainer/parallel/weight_pass.py `weight_pass`: torch's one
 ``autograd.grad`` per parameter group, sharing one recomputation) and keeps what it recomputed but
 did not use until the stage's graph is freed at the pass's end. At that point the rank holds up to
 one copy of the stage's activations: ``ZB_WEIGHT_PASS_RECOMPUTES`` (one) times the largest stage's

@@ -258,7 +258,7 @@ def _dualpipev_counts(pp: int, microbatches: int) -> list[tuple[int, int]]:
 def recomputes(pipeline: PipelinePlan) -> float:
     """Recomputations of a checkpointed block per micro-batch, averaged over the pipeline ranks:
     one per backward pass that runs the block. A split backward (input, then weight gradients)
-    recomputes it for each (trainer/parallel/pipeline_step.py ``weight_pass``: at most once more):
+    recomputes it for each (trainer/parallel/weight_pass.py ``weight_pass``: at most once more):
     every backward of ZBVZeroBubble and InterleavedZeroBubble, DualPipeV's split ones."""
     if not (pipeline.enabled and pipeline.zero_bubble):
         return 1.0

@@ -4,7 +4,7 @@ zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
 - Fast tier, one 2-rank launch: pp 2 with every schedule torch ships (the pipeline runtime of
   each, including the V schedules, whose rank 0 shares its embedding with MTP on the last stage,
   and the looped ones with four stages). The zero-bubble schedules again with full activation
-  checkpointing: one weight pass (trainer/parallel/pipeline_step.py `weight_pass`) recomputes each
+  checkpointing: one weight pass (trainer/parallel/weight_pass.py `weight_pass`) recomputes each
   checkpointed block at most once per micro-batch for its input gradients and once for its weight
   gradients, where torch's own weight pass recomputes it once per parameter group, and the
   gradients equal torch's path bit for bit (the same calls on the same recomputed values).

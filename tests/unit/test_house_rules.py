@@ -68,11 +68,6 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 # Circles left to their owners' work, each with why it is still here. A new circle fails the test.
-KNOWN_CIRCLES = {
-    # pipeline_step imports OverlapRuntime inside a function; pipeline_overlap imports the weight
-    # pass from pipeline_step (issue 45 item 1: the forward plan and the weight pass).
-    frozenset({"trainer.parallel.pipeline_overlap", "trainer.parallel.pipeline_step"}),
-}
 
 
 def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -106,7 +101,7 @@ def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 def test_imports_run_down_the_floors():
     graph = _module_graph()
-    assert set(_circles(graph)) <= KNOWN_CIRCLES, _circles(graph)
+    assert _circles(graph) == [], _circles(graph)
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]  # the check finds one
     upward = [
         f"{m} imports {d}"

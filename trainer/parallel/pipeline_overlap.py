@@ -67,7 +67,7 @@ from trainer.parallel.moe_overlap import (
     pair,
 )
 from trainer.parallel.pipeline import StageModule
-from trainer.parallel.pipeline_step import WeightPassRuntime, weight_pass
+from trainer.parallel.weight_pass import WeightPassRuntime, weight_pass
 
 
 class StageNodes(NodeRun):

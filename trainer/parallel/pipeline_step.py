@@ -15,7 +15,8 @@ an input pass and a weight pass. With FSDP, torch defers every stage's gradient 
 is itself an FSDP module and none of its units reshards its parameters after forward
 (docs/parallelism.md, "Zero-bubble schedules under FSDP"). `parallelize_stage` sets both up;
 `check_zero_bubble_stages` refuses a stage that breaks either before the first step. The weight
-pass is torch's, run so that a checkpointed block is recomputed once for it (`weight_pass`).
+pass is torch's, run so that a checkpointed block is recomputed once for it
+(trainer/parallel/weight_pass.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
     _PipelineSchedule,
 )
-from torch.utils.checkpoint import GraphExecGroup
 
 from models.deepseek_v3.model import ModelOutput
 from trainer.distributed import all_reduce_sum, local_tensor
@@ -51,6 +51,7 @@ from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import StageModule
 from trainer.parallel.step import MicroBatch, ParallelStep, Targets
 from trainer.parallel.tensor_parallel import replicated_value
+from trainer.parallel.weight_pass import WeightPassRuntime
 
 if TYPE_CHECKING:
     from trainer.parallel.pipeline_overlap import OverlapRuntime
@@ -290,44 +291,6 @@ def _run_schedule(schedule, train: bool, args: tuple, kwargs: dict, target, loss
         run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     finally:
         schedule._loss_fn = base
-
-
-class WeightPassRuntime:
-    """A zero-bubble schedule's ``BACKWARD_WEIGHT`` as torch runs it, but one weight pass
-    (`weight_pass`), registered on ``schedule`` (``register_custom_function``: torch's runtime
-    dispatches on the action type only). Private API: the runtime's bookkeeping of the action,
-    redone here (torch 2.13's ``_PipelineScheduleRuntime._perform_action``): the unshard assertion
-    (``_assert_unsharded``) and the backward counter (``backward_counter``, ``_n_microbatches``)
-    that tells the step's last backward; the stages by index from ``_stages``."""
-
-    def __init__(self, schedule):
-        self.schedule = schedule
-        self.stages = {stage.stage_index: stage for stage in schedule._stages}
-        schedule.register_custom_function(BACKWARD_WEIGHT, self.backward_weight)
-
-    def backward_weight(self, action: _Action, ctx=None) -> None:
-        stage = self.stages[action.stage_index]
-        self.schedule._assert_unsharded(stage)
-        weight_pass(stage, action.microbatch_index, self._count_backward(stage))
-
-    def _count_backward(self, stage) -> bool:
-        """Counts a full or weight pass; whether it is the stage's last of the run."""
-        self.schedule.backward_counter[stage.stage_index] += 1
-        return self.schedule.backward_counter[stage.stage_index] == self.schedule._n_microbatches
-
-
-def weight_pass(stage: PipelineStage, mb: int, last_backward: bool) -> None:
-    """torch's weight pass of ``stage`` for micro-batch ``mb``, recomputing each checkpointed block
-    at most once. torch's ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group
-    (a block has several), and non-reentrant checkpointing recomputes a block once per graph task,
-    keeping what that call did not use until the stage's graph is freed at the pass's end: the
-    block ran and was held once per group. Under one ``GraphExecGroup`` (public in
-    ``torch.utils.checkpoint`` since pytorch#166536, October 2025, before torch 2.11) every call of
-    the pass shares one recomputation. Its condition, that no two calls of the group use the same saved tensor, is
-    torch's own: the calls free what they use (``retain_graph=False``). The calls and their inputs
-    are torch's, so the gradients are too, bit for bit (tests/distributed/test_pipeline_grads.py)."""
-    with GraphExecGroup():
-        stage.backward_weight_one_chunk(mb, last_backward=last_backward)
 
 
 def cap_deferred_weight_passes(orders: dict[int, list[_Action]], cap: int) -> None:
