@@ -87,7 +87,7 @@ def own_shape_propagation():
     if not hasattr(ShardingPropagator, "_fake_mode_lock"):
         raise RuntimeError(
             "this torch has no ShardingPropagator._fake_mode_lock: the dry run cannot keep DTensor's "
-            "whole-size shape propagation out of its memory tracker; use torch 2.11 or newer"
+            "whole-size shape propagation out of its memory tracker; use a torch with pytorch#174820 (February 2026)"
         )
     previous = ShardingPropagator._fake_mode_lock
     ShardingPropagator._fake_mode_lock = _FakeModeAside()
