@@ -79,7 +79,7 @@ def set_collective_timeout(seconds: float) -> None:
     this rank is in. ``ProcessGroup.set_timeout`` (both versions) sets every backend of a group
     (gloo and NCCL), as the private ``_set_pg_timeout`` does.
     """
-    if not is_distributed() or dist.get_backend() == "fake":  # a string: not every torch names it in Backend
+    if not is_distributed() or dist.get_backend() == dist.Backend.FAKE:
         return  # the fake backend (a dry run) waits for nothing
     timeout = timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map):

@@ -8,10 +8,9 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.distributed.tensor import _sharding_prop
 
 from trainer.diagnostics.collectives import CollectiveRecorder
 from trainer.memory import GiB
@@ -61,40 +60,24 @@ class StepMemTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(snap)
 
 
-class _FakeModeAside:
-    """Steps the active fake mode aside while DTensor derives an operator's global output shape
-    (``own_shape_propagation``); a context entered anew at each derivation."""
-
-    def __init__(self):
-        self._entered: list[contextlib.AbstractContextManager] = []
-
-    def __enter__(self):
-        self._entered.append(unset_fake_temporarily())
-        return self._entered[-1].__enter__()
-
-    def __exit__(self, *exc):
-        return self._entered.pop().__exit__(*exc)
+def _no_fake_mode(*args) -> None:
+    return None
 
 
 @contextlib.contextmanager
 def own_shape_propagation():
     """DTensor derives an operator's global output shape by running it on whole-size fake tensors,
-    in the fake mode it finds active: a dry run's, where the tracker would count them (a
+    in the fake mode it finds active (``detect_fake_mode``, which its sharding propagation imports
+    by name, torch 2.11 and 2.13 alike): a dry run's, where the tracker would count them (a
     256-expert weight of 671B is 14 GiB). Found none, it makes one of its own, which the tracker
-    does not count. torch enters ``ShardingPropagator._fake_mode_lock`` around that derivation (a
-    context its multi-threaded tests replace with a lock): here it steps the active fake mode
-    aside for the derivation's length."""
-    if not hasattr(ShardingPropagator, "_fake_mode_lock"):
-        raise RuntimeError(
-            "this torch has no ShardingPropagator._fake_mode_lock: the dry run cannot keep DTensor's "
-            "whole-size shape propagation out of its memory tracker; use a torch with pytorch#174820 (February 2026)"
-        )
-    previous = ShardingPropagator._fake_mode_lock
-    ShardingPropagator._fake_mode_lock = _FakeModeAside()
+    does not count: for the step's length it finds none. A seam of torch's own module attribute,
+    set and put back here (torch 2.13's ``ShardingPropagator._fake_mode_lock`` hook is not in 2.11)."""
+    previous = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = _no_fake_mode
     try:
         yield
     finally:
-        ShardingPropagator._fake_mode_lock = previous
+        _sharding_prop.detect_fake_mode = previous
 
 
 def track_step(trainer, batches, *contexts) -> tuple[dict[str, float], list[dict]]:
