@@ -51,16 +51,10 @@ RESHARD_POLICIES = typing.get_args(ReshardPolicy)
 
 
 def _set_sum_reduction(module: FSDPModule) -> None:
-    # torch >= 2.8 names it set_gradient_divide_factor; older releases only had the
-    # reduce-scatter variant (deprecated since).
-    if hasattr(module, "set_gradient_divide_factor"):
-        module.set_gradient_divide_factor(1.0)
-        if hasattr(module, "set_force_sum_reduction_for_comms"):
-            # A custom factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks; plain
-            # SUM is the same reduction here (factor 1).
-            module.set_force_sum_reduction_for_comms(True)
-    else:
-        module.set_reduce_scatter_divide_factor(1.0)
+    module.set_gradient_divide_factor(1.0)
+    # A custom factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks; plain SUM is the
+    # same reduction here (factor 1). Both setters exist in torch 2.11 and 2.13.
+    module.set_force_sum_reduction_for_comms(True)
 
 
 def _reshard(policy: str, is_last: bool) -> bool:
