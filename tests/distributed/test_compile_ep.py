@@ -51,3 +51,20 @@ def test_compiled_ep_no_recompile_with_0_and_1_received_rows():
             assert r["unique_graphs"] == UNIQUE_GRAPHS, where
         torch.testing.assert_close(r["compiled_losses"], r["eager_losses"], rtol=0, atol=1e-4, msg=where)
         assert max(r["grad_differences"]) <= GRAD_REL, (where, r["grad_differences"])
+
+
+def test_both_fsdp_layouts_of_the_experts_match_the_unsharded_copy(two_ranks):
+    """The experts in their block's unit (torch >= 2.13) and as a unit of their own (torch 2.11's
+    only layout, forced here on any torch): eager training steps give the expert-parallel copy
+    without FSDP's losses and gradients exactly (the only reduction is a sum of two ranks'
+    gradients, one addition either way). In the fast tier's shared 2-rank launch."""
+    results = dict(two_ranks["fsdp_ep_layouts"])
+    assert sorted(results) == [0, 1], results
+    for rank, r in results.items():
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert sorted(r) == ([False, True] if EXPERTS_IN_BLOCK_UNIT else [False]), (rank, sorted(r))
+        for in_block, got in r.items():
+            where = f"rank {rank}, experts in block unit: {in_block}"
+            assert got["experts_own_unit"] is not in_block, where
+            assert len(got["losses"]) == 2 and got["losses"] == got["eager_losses"], (where, got)
+            assert got["grad_differences"] == [0.0, 0.0], (where, got)
