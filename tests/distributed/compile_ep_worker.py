@@ -164,51 +164,39 @@ def run(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def fsdp_layouts(rank: int, dims: ParallelDims) -> dict:
-    """Eager, no compile: per FSDP layout of the routed experts (in their block's unit, torch >=
-    2.13, and a unit of their own, torch 2.11's only layout, run here on any torch), the training
-    steps' losses and gradients against the expert-parallel copy without FSDP, and whether the
-    experts are a unit of their own."""
+def experts_own_unit(rank: int, dims: ParallelDims) -> dict:
+    """Eager, no compile: the routed experts as an FSDP unit of their own (torch 2.11's only
+    layout, forced here on any torch; the default layout on torch >= 2.13 is every other FSDP x EP
+    test's), one training step's loss and gradients against the expert-parallel copy without FSDP."""
     from torch.distributed.fsdp import FSDPModule
-
-    from trainer.parallel.fsdp import EXPERTS_IN_BLOCK_UNIT
 
     eager = build_model()
     apply_expert_parallel(eager, dims.mesh("ep"))
-    out = {}
-    for in_block in (True, False) if EXPERTS_IN_BLOCK_UNIT else (False,):
-        model = build_model()
-        apply_expert_parallel(model, dims.mesh("ep"))
-        apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp"), experts_in_block_unit=in_block)
-        moe = next(m for m in model.modules() if isinstance(m, MoE))
-        losses, eager_losses, grad_differences = [], [], []
-        for step, (mode, *markers) in enumerate(WARMUP + ARMED[-1:]):
-            if mode != "train":
-                continue
-            inputs, labels = batch(step, rank, markers[rank])
-            losses.append(run_step(model, mode, inputs, labels, cross_entropy_sum))
-            eager_losses.append(run_step(eager, mode, inputs, labels, cross_entropy_sum))
-            grad_differences.append(grad_difference(model, eager))
-            model.zero_grad(set_to_none=True)
-            eager.zero_grad(set_to_none=True)
-        out[in_block] = {
-            "experts_own_unit": isinstance(moe.experts, FSDPModule),
-            "losses": losses,
-            "eager_losses": eager_losses,
-            "grad_differences": grad_differences,
-        }
-    return out
+    model = build_model()
+    apply_expert_parallel(model, dims.mesh("ep"))
+    apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp"), experts_in_block_unit=False)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    mode, *markers = ARMED[-1]  # a training step whose markers reach both ranks' experts
+    inputs, labels = batch(0, rank, markers[rank])
+    loss = run_step(model, mode, inputs, labels, cross_entropy_sum)
+    eager_loss = run_step(eager, mode, inputs, labels, cross_entropy_sum)
+    return {
+        "experts_own_unit": isinstance(moe.experts, FSDPModule),
+        "loss": loss,
+        "eager_loss": eager_loss,
+        "grad_difference": grad_difference(model, eager),
+    }
 
 
 def run_layouts(rank: int, world: int, port: int, queue) -> None:
-    """`fsdp_layouts` on the layout of `run` (dp_shard = ep = 2), in the fast tier's shared
+    """`experts_own_unit` on the layout of `run` (dp_shard = ep = 2), in the fast tier's shared
     2-rank launch (tests/distributed/conftest.py)."""
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, ep=world, ep_as_cp=False, world_size=world)
         dims.build_meshes("cpu")
-        queue.put((rank, fsdp_layouts(rank, dims)))
+        queue.put((rank, experts_own_unit(rank, dims)))
     except Exception as exc:  # reported to the parent test, which fails with it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
     finally:

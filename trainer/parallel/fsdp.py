@@ -96,7 +96,7 @@ def apply_fsdp(
             first; the second leaves it to that one.
         experts_in_block_unit: with ``expert_mesh``, the routed experts' parameters join their
             block's unit on their own mesh (torch >= 2.13) rather than forming a unit of their own
-            (the only layout torch 2.11 has; tests/distributed/test_compile_ep.py runs both).
+            (the only layout torch 2.11 has; tests/distributed/test_compile_ep.py runs it on 2.13).
     """
     if experts_in_block_unit and not EXPERTS_IN_BLOCK_UNIT:
         raise ValueError("experts_in_block_unit needs FSDP2's mesh per parameter (torch >= 2.13)")
