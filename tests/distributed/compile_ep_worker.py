@@ -150,18 +150,8 @@ def run_steps(rank: int, dims: ParallelDims) -> dict:
 
 
 def run(rank: int, world: int, port: int, queue) -> None:
-    """Expert parallelism under FSDP (dp_shard = ep = 2, so efsdp = 1). Not without FSDP: the
-    Trainer has no such layout (ep borrows its ranks from dp_shard x cp, so FSDP is on)."""
-    torch.set_num_threads(1)
-    init_local_gloo(rank, world, port)
-    try:
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, ep=world, ep_as_cp=False, world_size=world)
-        dims.build_meshes("cpu")
-        queue.put((rank, run_steps(rank, dims)))
-    except Exception as exc:  # reported to the parent test, which fails with it
-        queue.put((rank, f"{type(exc).__name__}: {exc}"))
-    finally:
-        dist.destroy_process_group()
+    """`run_steps` on expert parallelism under FSDP (`_on_ranks`)."""
+    _on_ranks(rank, world, port, queue, run_steps)
 
 
 def experts_own_unit(rank: int, dims: ParallelDims) -> dict:
@@ -188,15 +178,22 @@ def experts_own_unit(rank: int, dims: ParallelDims) -> dict:
     }
 
 
-def run_layouts(rank: int, world: int, port: int, queue) -> None:
-    """`experts_own_unit` on the layout of `run` (dp_shard = ep = 2), in the fast tier's shared
-    2-rank launch (tests/distributed/conftest.py)."""
+def run_own_unit(rank: int, world: int, port: int, queue) -> None:
+    """`experts_own_unit` on the layout of `run`, in the fast tier's shared 2-rank launch
+    (tests/distributed/conftest.py)."""
+    _on_ranks(rank, world, port, queue, experts_own_unit)
+
+
+def _on_ranks(rank: int, world: int, port: int, queue, job) -> None:
+    """`job(rank, dims)` on expert parallelism under FSDP (dp_shard = ep = 2, so efsdp = 1). Not
+    without FSDP: the Trainer has no such layout (ep borrows its ranks from dp_shard x cp, so FSDP
+    is on)."""
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, ep=world, ep_as_cp=False, world_size=world)
         dims.build_meshes("cpu")
-        queue.put((rank, experts_own_unit(rank, dims)))
+        queue.put((rank, job(rank, dims)))
     except Exception as exc:  # reported to the parent test, which fails with it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
     finally:

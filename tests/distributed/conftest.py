@@ -29,7 +29,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
         "moe_ep": (moe_ep_worker.run, ()),
         "moe_overlap": (moe_overlap_fast_worker.run, ("ep",)),
         "moe_overlap_dualpipev": (moe_overlap_fast_worker.run, ("dualpipev",)),
-        "fsdp_experts_own_unit": (compile_ep_worker.run_layouts, ()),
+        "fsdp_experts_own_unit": (compile_ep_worker.run_own_unit, ()),
         "cp_attention": (cp_attention_worker.run, (cp_attention_worker.CASES,)),
         # Precompute on and off: off changes the exchanges, not the sharding the world sizes vary.
         "engram": (engram_worker.run, ((True, False),)),
