@@ -98,8 +98,6 @@ def apply_fsdp(
             block's unit on their own mesh (torch >= 2.13) rather than forming a unit of their own
             (the only layout torch 2.11 has; tests/distributed/test_compile_ep.py runs it on 2.13).
     """
-    if experts_in_block_unit and not EXPERTS_IN_BLOCK_UNIT:
-        raise ValueError("experts_in_block_unit needs FSDP2's mesh per parameter (torch >= 2.13)")
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
