@@ -150,14 +150,50 @@ def run_steps(rank: int, dims: ParallelDims) -> dict:
 
 
 def run(rank: int, world: int, port: int, queue) -> None:
-    """Expert parallelism under FSDP (dp_shard = ep = 2, so efsdp = 1). Not without FSDP: the
-    Trainer has no such layout (ep borrows its ranks from dp_shard x cp, so FSDP is on)."""
+    """`run_steps` on expert parallelism under FSDP (`_on_ranks`)."""
+    _on_ranks(rank, world, port, queue, run_steps)
+
+
+def experts_own_unit(rank: int, dims: ParallelDims) -> dict:
+    """Eager, no compile: the routed experts as an FSDP unit of their own (torch 2.11's only
+    layout, forced here on any torch; the default layout on torch >= 2.13 is every other FSDP x EP
+    test's), one training step's loss and gradients against the expert-parallel copy without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    eager = build_model()
+    apply_expert_parallel(eager, dims.mesh("ep"))
+    model = build_model()
+    apply_expert_parallel(model, dims.mesh("ep"))
+    apply_fsdp(model, dims.mesh("fsdp"), dims.mesh("efsdp"), experts_in_block_unit=False)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    mode, *markers = ARMED[-1]  # a training step whose markers reach both ranks' experts
+    inputs, labels = batch(0, rank, markers[rank])
+    loss = run_step(model, mode, inputs, labels, cross_entropy_sum)
+    eager_loss = run_step(eager, mode, inputs, labels, cross_entropy_sum)
+    return {
+        "experts_own_unit": isinstance(moe.experts, FSDPModule),
+        "loss": loss,
+        "eager_loss": eager_loss,
+        "grad_difference": grad_difference(model, eager),
+    }
+
+
+def run_own_unit(rank: int, world: int, port: int, queue) -> None:
+    """`experts_own_unit` on the layout of `run`, in the fast tier's shared 2-rank launch
+    (tests/distributed/conftest.py)."""
+    _on_ranks(rank, world, port, queue, experts_own_unit)
+
+
+def _on_ranks(rank: int, world: int, port: int, queue, job) -> None:
+    """`job(rank, dims)` on expert parallelism under FSDP (dp_shard = ep = 2, so efsdp = 1). Not
+    without FSDP: the Trainer has no such layout (ep borrows its ranks from dp_shard x cp, so FSDP
+    is on)."""
     torch.set_num_threads(1)
     init_local_gloo(rank, world, port)
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, ep=world, ep_as_cp=False, world_size=world)
         dims.build_meshes("cpu")
-        queue.put((rank, run_steps(rank, dims)))
+        queue.put((rank, job(rank, dims)))
     except Exception as exc:  # reported to the parent test, which fails with it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
     finally:

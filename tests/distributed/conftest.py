@@ -3,12 +3,14 @@
 Starting a rank imports torch and the model code (seconds each on 2 cores), more than most of
 these checks take, so the ranks start once per session and run each worker in turn, each in a
 process group of its own (`spawn_local_jobs`): the EP dispatcher against one process
-(test_moe_ep.py), the overlapped MoE steps against the plain ones, with and without pp (test_moe_overlap_fast.py),
+(test_moe_ep.py), torch 2.11's FSDP
+layout of the routed experts against the unsharded copy (test_compile_ep.py), the overlapped MoE steps against the plain ones, with and without pp (test_moe_overlap_fast.py),
 context-parallel MLA (test_cp_attention.py), Engram's sharded tables at world
 sizes 2 and 1 (test_engram_parallel.py) and the EP step's device reads (test_step_sync_ep.py). A
 selection of one of those modules runs them all (about a launch's cost more than it alone).
 """
 
+import compile_ep_worker
 import cp_attention_worker
 import engram_worker
 import moe_ep_worker
@@ -27,6 +29,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
         "moe_ep": (moe_ep_worker.run, ()),
         "moe_overlap": (moe_overlap_fast_worker.run, ("ep",)),
         "moe_overlap_dualpipev": (moe_overlap_fast_worker.run, ("dualpipev",)),
+        "fsdp_experts_own_unit": (compile_ep_worker.run_own_unit, ()),
         "cp_attention": (cp_attention_worker.run, (cp_attention_worker.CASES,)),
         # Precompute on and off: off changes the exchanges, not the sharding the world sizes vary.
         "engram": (engram_worker.run, ((True, False),)),

@@ -51,3 +51,16 @@ def test_compiled_ep_no_recompile_with_0_and_1_received_rows():
             assert r["unique_graphs"] == UNIQUE_GRAPHS, where
         torch.testing.assert_close(r["compiled_losses"], r["eager_losses"], rtol=0, atol=1e-4, msg=where)
         assert max(r["grad_differences"]) <= GRAD_REL, (where, r["grad_differences"])
+
+
+def test_experts_as_their_own_fsdp_unit_match_the_unsharded_copy(two_ranks):
+    """The experts as an FSDP unit of their own (torch 2.11's only layout, forced here on any
+    torch): an eager training step gives the expert-parallel copy without FSDP's loss and
+    gradients exactly (the only reduction is a sum of two ranks' gradients, one addition either
+    way). In the fast tier's shared 2-rank launch."""
+    results = dict(two_ranks["fsdp_experts_own_unit"])
+    assert sorted(results) == [0, 1], results
+    for rank, r in results.items():
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert r["experts_own_unit"], rank
+        assert r["loss"] == r["eager_loss"] and r["grad_difference"] == 0.0, (rank, r)

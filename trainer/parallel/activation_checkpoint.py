@@ -62,13 +62,12 @@ def _save_list() -> set:
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops._c10d_functional.all_to_all_single.default,
+        torch.ops._c10d_functional_autograd.all_to_all_single.default,  # in torch 2.11 and 2.13
     ]
     # Kernels that exist only in some builds.
     for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
         if hasattr(torch.ops.aten, name):
             ops.append(getattr(torch.ops.aten, name).default)
-    if hasattr(torch.ops, "_c10d_functional_autograd"):
-        ops.append(torch.ops._c10d_functional_autograd.all_to_all_single.default)
     return set(ops)
 
 

@@ -44,23 +44,18 @@ try:  # A mesh per parameter (documented in fully_shard's shard_placement_fn); t
 except ImportError:
     ShardPlacementResult = None
 
-# Whether routed experts under EP share their block's FSDP unit (else they are a unit of their own).
+# Whether routed experts under EP can share their block's FSDP unit (else they are a unit of their
+# own): apply_fsdp's default; the other layout stays selectable so that torch 2.13 tests run it too.
 EXPERTS_IN_BLOCK_UNIT = ShardPlacementResult is not None
 
 RESHARD_POLICIES = typing.get_args(ReshardPolicy)
 
 
 def _set_sum_reduction(module: FSDPModule) -> None:
-    # torch >= 2.8 names it set_gradient_divide_factor; older releases only had the
-    # reduce-scatter variant (deprecated since).
-    if hasattr(module, "set_gradient_divide_factor"):
-        module.set_gradient_divide_factor(1.0)
-        if hasattr(module, "set_force_sum_reduction_for_comms"):
-            # A custom factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks; plain
-            # SUM is the same reduction here (factor 1).
-            module.set_force_sum_reduction_for_comms(True)
-    else:
-        module.set_reduce_scatter_divide_factor(1.0)
+    module.set_gradient_divide_factor(1.0)
+    # A custom factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks; plain SUM is the
+    # same reduction here (factor 1). Both setters exist in torch 2.11 and 2.13.
+    module.set_force_sum_reduction_for_comms(True)
 
 
 def _reshard(policy: str, is_last: bool) -> bool:
@@ -82,6 +77,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     ignored_params: set[nn.Parameter] | None = None,
     stages: list[nn.Module] | None = None,
+    experts_in_block_unit: bool = EXPERTS_IN_BLOCK_UNIT,
 ) -> None:
     """Shards ``model`` in place.
 
@@ -98,16 +94,20 @@ def apply_fsdp(
             are correct only so: docs/parallelism.md). A parameter that two local stages share
             (the embedding, which MTP on the last stage reads, under a V schedule) belongs to the
             first; the second leaves it to that one.
+        experts_in_block_unit: with ``expert_mesh``, the routed experts' parameters join their
+            block's unit on their own mesh (torch >= 2.13) rather than forming a unit of their own
+            (the only layout torch 2.11 has; tests/distributed/test_compile_ep.py runs it on 2.13).
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward must be one of {RESHARD_POLICIES}, got {reshard_after_forward!r}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ignored_params = set(ignored_params or ())
-    expert_placement = _expert_placement_fn(model, expert_mesh) if expert_mesh is not None else None
+    in_block = expert_mesh is not None and experts_in_block_unit
+    expert_placement = _expert_placement_fn(model, expert_mesh) if in_block else None
     units: dict[nn.Module, list[FSDPModule]] = {}
     for block in _blocks(model):
         experts = None
-        if expert_mesh is not None and expert_placement is None:
+        if expert_mesh is not None and not in_block:
             for sub in block.modules():
                 if isinstance(sub, MoE):
                     fully_shard(
@@ -165,10 +165,7 @@ def _prefetch_in_order(units: list[list[FSDPModule]]) -> None:
 
 def _expert_placement_fn(model: nn.Module, expert_mesh):
     """A ``shard_placement_fn`` that puts the routed experts' parameters on ``expert_mesh``
-    and leaves every other parameter on the unit's mesh, or None where this torch has no mesh
-    per parameter."""
-    if not EXPERTS_IN_BLOCK_UNIT:
-        return None
+    and leaves every other parameter on the unit's mesh (torch >= 2.13)."""
     # One mesh-info object for every expert parameter: FSDP groups parameters by it.
     if expert_mesh.ndim == 1:
         mesh_info = FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)

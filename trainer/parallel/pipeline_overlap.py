@@ -147,10 +147,10 @@ class OverlapRuntime(WeightPassRuntime):
     """DualPipeV's runtime with ``OVERLAP_F_B`` interleaved (module doc), registered on ``schedule``
     (a ``ScheduleDualPipeV`` over ``modules``, this rank's stages).
 
-    ``loss_args``: what follows the micro-batch index in the runtime's ``_maybe_compute_loss``
-    call, set by the step before every run: ``(loss_kwargs,)`` where torch passes the loss keyword
-    arguments, else ``()`` (torch < 2.13 binds them to the loss function). The step always runs with
-    ``return_outputs=False``, so the last stage keeps no output chunks here either.
+    The step binds the loss keyword arguments to the schedule's loss function for the run
+    (``pipeline_step._run_schedule``), so ``_maybe_compute_loss`` is called as torch 2.11 and 2.13
+    both take it. The step always runs with ``return_outputs=False``, so the last stage keeps no
+    output chunks here either.
     """
 
     def __init__(self, schedule, modules: list[StageModule]):
@@ -165,7 +165,6 @@ class OverlapRuntime(WeightPassRuntime):
         self.lane = ExchangeLane()
         self.runs: dict[tuple[int, int], StageNodes] = {}  # node-form forwards awaiting their backward
         self.weight_grads: dict[tuple[int, int], list] = {}  # (param, grad) kept from an input pass
-        self.loss_args: tuple = ()
         for kind, fn in (
             (FORWARD, self.forward), (FULL_BACKWARD, self.full_backward), (BACKWARD_INPUT, self.backward_input),
             (OVERLAP_F_B, self.overlap),
@@ -269,7 +268,7 @@ class OverlapRuntime(WeightPassRuntime):
             # torch's forward_one_chunk caches (outputs, inputs); the inputs live in the nodes here.
             stage.fwd_cache[mb] = (tuple(output), [])
             self.runs[(stage.stage_index, mb)] = nodes
-        self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, *self.loss_args)
+        self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
         if stage.stage_index + 1 in self.stages:
             self.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 

@@ -22,7 +22,6 @@ pass is torch's, run so that a checkpointed block is recomputed once for it
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,7 +38,6 @@ from torch.distributed.pipelining.schedules import (
     _add_send_recv,
     _add_unshard_reshard,
     _ComputationType,
-    _PipelineSchedule,
 )
 
 from models.deepseek_v3.model import ModelOutput
@@ -55,10 +53,6 @@ from trainer.parallel.weight_pass import WeightPassRuntime
 
 if TYPE_CHECKING:
     from trainer.parallel.pipeline_overlap import OverlapRuntime
-
-# torch >= 2.13 passes keyword arguments to the loss function; older releases call it with
-# (output, target) only, and get them bound for the run (`_run_schedule`).
-_LOSS_KWARGS = "loss_kwargs" in inspect.signature(_PipelineSchedule.step).parameters
 
 
 @dataclass
@@ -214,8 +208,6 @@ class PipelineStep(ParallelStep):
         schedule = self.schedule(mb.inputs.device, train)
         args = (mb.inputs,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
-        if train and self.overlap is not None:
-            self.overlap.loss_args = (loss_kwargs or {},) if _LOSS_KWARGS else ()
         _run_schedule(schedule, train, args, kwargs, target, losses, loss_kwargs or {})
         return losses
 
@@ -278,15 +270,15 @@ class PipelineStep(ParallelStep):
 
 
 def _run_schedule(schedule, train: bool, args: tuple, kwargs: dict, target, losses: list, loss_kwargs: dict) -> None:
-    """``schedule.step`` (training) or ``eval`` with the run's loss keyword arguments; the last
-    stage's outputs stay unmerged (the loss function has taken what it needs)."""
+    """``schedule.step`` (training) or ``eval`` with the run's loss keyword arguments bound to the
+    schedule's loss function for the run; the last stage's outputs stay unmerged (the loss function
+    has taken what it needs). Binding rather than ``step(loss_kwargs=...)``: torch 2.11's schedules
+    call the loss with (output, target) only, 2.13's with no keywords when given none, so one path
+    serves both (every caller of the loss, the overlap's runtime included, sees the bound function)."""
     run = schedule.step if train else schedule.eval
-    if _LOSS_KWARGS or not loss_kwargs:
-        extra = {"loss_kwargs": loss_kwargs} if loss_kwargs else {}
-        run(*args, target=target, losses=losses, return_outputs=False, **extra, **kwargs)
-        return
     base = schedule._loss_fn
-    schedule._loss_fn = functools.partial(base, **loss_kwargs)
+    if loss_kwargs:
+        schedule._loss_fn = functools.partial(base, **loss_kwargs)
     try:
         run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     finally:
