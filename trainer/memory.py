@@ -35,7 +35,11 @@ micro-batch of the step up front, and the outputs of the in-flight micro-batches
 backward temporaries (the embedding and head gradients; in the compute dtype under FSDP, where the
 fp32 ones are the accumulators) arise while the other in-flight micro-batches' activations and the
 logits are held: the late-backward side; the micro-batches in flight follow each schedule's
-warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py).
+warm-up (``_in_flight``; all measured by the dry run, trainer/dry_run.py). A rank that runs all
+its forwards before its first backward (the schedule's ``warmup``: 1F1B's rank r at pp - r >=
+micro-batches, GPipe, LoopedBFS) peaks either then, its stages sharded (one block gathered ahead,
+the root unsharded) with no accumulator yet, or once the accumulators and unsharded stages exist,
+with one micro-batch fewer in flight: the larger of the two.
 
 A zero-bubble schedule with full activation checkpointing: the weight pass of a stage recomputes
 each checkpointed block once (trainer/parallel/weight_pass.py `weight_pass`: torch's one
@@ -332,15 +336,17 @@ def estimate(
         # The first stage's input pass does not run (torch: no input gradient), so its waiting weight
         # pass holds its graph, the in-flight activations, and no output gradients.
         drain = weight_pass_drain(plan, rank)
+        warmup = plan.facts.warmup
+        forwards_first = warmup is not None and warmup(pp, micro, plan.pp_stages_per_rank, rank) >= micro
         if drain:
             drain = (tuple(0 if s.first else n for s, n in zip(mine, drain[0])), drain[1])
         key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io,
-               drain)
+               drain, forwards_first)
         if key not in shares:
             shares[key] = _estimate_share(
                 a, layers, first or (last and a.mtp_depth > 0), last, last, local_batch_size // micro, in_flight,
                 pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
-                micro=micro, drain=drain, **share,
+                micro=micro, drain=drain, forwards_first=forwards_first, **share,
             )
         ranks.append(shares[key])
     worst = max(ranks, key=lambda r: r["gib"]["total"])
@@ -388,7 +394,7 @@ def _estimate_share(
     pipelined: bool = False,
     zero_bubble: bool = False,
     stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
-    drain: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    drain: tuple[tuple[int, ...], tuple[int, ...]] | None = None, forwards_first: bool = False,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
@@ -398,7 +404,10 @@ def _estimate_share(
     ``stage_io``: how many activation-sized buffers its stages receive per micro-batch (the input of a
     stage not first, the output gradient of one not last), and how many of them are not last (their
     output stays until its backward); ``micro``: the step's micro-batches; ``drain``: per stage,
-    the weight passes waiting and the micro-batches in flight where most wait (`weight_pass_drain`)."""
+    the weight passes waiting and the micro-batches in flight where most wait (`weight_pass_drain`);
+    ``forwards_first``: the rank runs all its forwards before its first backward (the schedule's
+    ``warmup``), so its stages are sharded and hold no accumulator while its activations are most:
+    the peak is the larger of that moment and the backward's, one micro-batch fewer in flight."""
     act_bytes = ACT_BYTES[mixed_precision]
     efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
@@ -470,6 +479,10 @@ def _estimate_share(
         # stage's checkpointed blocks, ZB_WEIGHT_PASS_RECOMPUTES times.
         extra += ZB_WEIGHT_PASS_RECOMPUTES * max(sum(recomputed[i:j]) for i, j in zip(bounds, bounds[1:]))
     act = sum(kept) * in_flight + extra
+    # Once gradients exist: every micro-batch in flight, or one fewer when the first backward
+    # follows the step's last forward (its backward has freed a whole micro-batch by the time every
+    # stage's accumulators exist).
+    grads_act = sum(kept) * (in_flight - 1) + extra if forwards_first else act
     drain_act = 0.0
     if drain:
         # Late in the backward: each waiting weight pass holds its stage's blocks' weight-output
@@ -523,7 +536,7 @@ def _estimate_share(
     # its embedding / head gradient temporaries (its root's parameters are in stage_unsharded_params).
     held_logits = (1 + n_mtp) * tokens * a.vocab_size / tp * act_bytes if head else 0.0
     if pipelined:
-        late_backward = held_logits + backward_tmp * GiB + max(act, drain_act)
+        late_backward = held_logits + backward_tmp * GiB + max(grads_act, drain_act)
     else:
         root_unsharded = 2 * embed_head / tp * act_bytes if fsdp > 1 else 0.0
         late_backward = held_logits + root_unsharded + max(per_layer, default=0.0)
@@ -532,6 +545,12 @@ def _estimate_share(
     # each in-flight micro-batch's stage output until its backward.
     received, not_last = stage_io
     pipeline_buffers = (received * micro + not_last * in_flight) * tokens * a.dim / tp * act_bytes
+    # Before a forwards-first rank's first backward: its activations, with FSDP gathering one block
+    # ahead (two blocks in the compute dtype) and the stage's root (embedding, head) left unsharded
+    # after its forward, as without pipelining.
+    before_backward = 0.0
+    if forwards_first and stage_params:
+        before_backward = act + logits + unsharded * 2 * act_bytes + embed_head / tp * act_bytes
     result = {
         "params_total_B": total_model / 1e9,
         "params_per_gpu_B": local / 1e9,
@@ -540,6 +559,7 @@ def _estimate_share(
             "stage_unsharded_params": stage_params * act_bytes / GiB if unsharded_stages else 0.0,
             "stage_grad_accumulators": stage_params * 4 / GiB,
             "late_backward": late_backward / GiB, "pipeline_buffers": pipeline_buffers / GiB,
+            "before_first_backward": before_backward / GiB,
             "bf16_weight_copies": copies / GiB, "allocator_rounding": rounding / GiB,
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
@@ -556,6 +576,14 @@ def _estimate_share(
         forward -= g["fsdp_unsharded_block"]
         late = g["late_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
         peak = max(g["grads"] + g["fsdp_unsharded_block"], forward + g["attention_mask"], late)
+        if forwards_first:
+            # The stages' unsharded copies and accumulators come with the first backward, which
+            # has freed a micro-batch's activations (`grads_act`) by the time they are whole.
+            stage = g["stage_unsharded_params"] + g["stage_grad_accumulators"]
+            before = g["before_first_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
+            after = forward - g["layers"] + grads_act / GiB + g["attention_mask"]
+            held -= stage
+            peak = max(before, stage + max(g["grads"] + g["fsdp_unsharded_block"], after, late))
     elif pipelined:
         peak = g["backward_temporaries"] + max(g["grads"], forward + g["attention_mask"])
     else:

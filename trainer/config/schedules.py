@@ -47,6 +47,21 @@ def _in_flight_zero_bubble(pp: int, micro: int, v: int, rank: int) -> float:
     return min(pp, micro)
 
 
+# Forwards before the first backward: how many micro-batches (units of all the rank's stages) pp rank
+# ``rank`` runs forward before its first backward, as (pp, micro-batches, v, rank) -> count; where
+# it is the step's every micro-batch, no gradient exists while the rank's activations are most.
+def _warmup_1f1b(pp: int, micro: int, v: int, rank: int) -> float:
+    """torch's ``warmup_chunks``: pp - r forwards (at most all), then backward first (1B1F)."""
+    return min(pp - rank, micro)
+
+
+def _warmup_interleaved_1f1b(pp: int, micro: int, v: int, rank: int) -> float:
+    """The warm-up's stage chunks (``_in_flight_interleaved_1f1b``); its steady state runs a
+    forward before each backward, one more chunk, at most all m x v."""
+    chunks = _in_flight_interleaved_1f1b(pp, micro, v, rank) * v
+    return min(micro * v, chunks + 1) / v
+
+
 # Bubble: idle time over useful time of one schedule run, as (pp, v, m, F, B, W) -> fraction, with F,
 # B, W one micro-batch's forward, input gradient and weight gradient on one stage, in units of F
 # (B + W = 2: trainer/step_time.py chooses B).
@@ -100,6 +115,10 @@ class ScheduleFacts:
     in_flight: Callable[[int, int, int, int], float]
     """(pp, micro-batches, stages per rank, rank) -> micro-batches whose activations the rank holds
     at once, in units of all its stages'."""
+    warmup: Callable[[int, int, int, int], float] | None
+    """(pp, micro-batches, stages per rank, rank) -> micro-batches the rank runs forward before its
+    first backward, in units of all its stages'; None for a split-backward schedule (not modelled:
+    its stages are unsharded from the first forward, its accumulators estimated through the step)."""
     bubble: Callable[[int, int, int, float, float, float], float]
     """(pp, stages per rank, micro-batches, F, B, W) -> idle over useful time of one run."""
     moe_overlap: bool
@@ -129,6 +148,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=False,
         min_microbatches=_per_rank,
         in_flight=_in_flight_all,
+        warmup=_in_flight_all,
         bubble=_bubble_1f1b,
         moe_overlap=False,
         planned_stages_per_rank=(),
@@ -141,6 +161,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=False,
         min_microbatches=_per_rank,
         in_flight=_in_flight_1f1b,
+        warmup=_warmup_1f1b,
         bubble=_bubble_1f1b,
         moe_overlap=False,
         planned_stages_per_rank=(1,),
@@ -153,6 +174,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=False,
         min_microbatches=_per_rank,
         in_flight=_in_flight_interleaved_1f1b,
+        warmup=_warmup_interleaved_1f1b,
         bubble=_bubble_interleaved_1f1b,
         moe_overlap=False,
         planned_stages_per_rank=(2, 4),
@@ -166,6 +188,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=False,
         min_microbatches=_per_rank,
         in_flight=_in_flight_all,
+        warmup=_in_flight_all,
         bubble=_bubble_1f1b,
         moe_overlap=False,
         planned_stages_per_rank=(),
@@ -178,6 +201,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=True,
         min_microbatches=_per_rank,
         in_flight=_in_flight_zero_bubble,
+        warmup=None,
         bubble=_bubble_interleaved_zero_bubble,
         moe_overlap=False,
         planned_stages_per_rank=(2,),
@@ -191,6 +215,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=True,
         min_microbatches=_per_stage,
         in_flight=_in_flight_zero_bubble,
+        warmup=None,
         bubble=_bubble_v,
         moe_overlap=False,
         planned_stages_per_rank=(2,),
@@ -203,6 +228,7 @@ SCHEDULES: tuple[ScheduleFacts, ...] = (
         split_backward=True,
         min_microbatches=_per_stage,
         in_flight=_in_flight_zero_bubble,
+        warmup=None,
         bubble=_bubble_v,
         moe_overlap=True,
         planned_stages_per_rank=(2,),
