@@ -39,7 +39,8 @@ from tests.helpers import flip_bytes, tamper_entry, tamper_metadata
 from trainer.checkpoint import COMPLETE, list_checkpoints
 from trainer.config import load_config
 from trainer.outcome import run
-from trainer.trainer import Trainer, main
+from trainer.train import main
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
