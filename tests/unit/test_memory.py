@@ -235,8 +235,9 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     block once) of its largest stage's activations without checkpointing, and still needs less with
     full AC than without (torch's own weight pass, recomputing per parameter group, needed more)."""
     from models.deepseek_v3.stats import stage_unit_costs
+    from trainer.activation_memory import layer_activation_bytes
     from trainer.config.pipeline_layout import PipelineCosts
-    from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES, _layer_activation_bytes
+    from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES
 
     layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 2,
               "device_type": "cpu", "mixed_precision": "float32"}
@@ -253,7 +254,7 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     assert fullest == base["gib_per_pp_rank"].index(base["gib"]["total"])
     stages = [[i >= args.n_dense_layers for i in s.layers] + [True] * (args.mtp_depth if s.last else 0)
               for s in plan.rank_stages(specs, fullest)]
-    largest = max(sum(_layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
+    largest = max(sum(layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
     assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
     for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
         assert with_ac < without
@@ -309,13 +310,13 @@ def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
     activations and its FSDP buffers, the logits the step keeps through backward (compute dtype, per
     head use), and under FSDP the root's unsharded embedding and head and their unsharded gradients
     (compute dtype; the root is not resharded after forward): the 671B FSDP 256 dry run's peak."""
-    from trainer.memory import _layer_activation_bytes
+    from trainer.activation_memory import layer_activation_bytes
 
     a = get_flavor("671B")
     est = estimate("671B", 256, 64, 1, 1, 4096, 1, "full", device_type="cpu")["gib"]
     logits = 2 * 4096 * a.vocab_size * 2  # main and MTP head, bf16
     root = 2 * 2 * a.vocab_size * a.dim * 2  # embedding and head, parameters and gradients, bf16
-    block = _layer_activation_bytes(a, True, 1, 1, 2, fp32_norms=True) * 4096
+    block = layer_activation_bytes(a, True, 1, 1, 2, fp32_norms=True) * 4096
     assert est["late_backward"] == pytest.approx((logits + root + block) / GiB)
     late = est["grads"] + est["late_backward"] + est["fsdp_unsharded_block"]
     assert late > est["fsdp_unsharded_block"] + est["layers"] + est["logits_and_loss"]
@@ -323,7 +324,7 @@ def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
     # One rank holds no FSDP root: only the logits and the block.
     alone = estimate("debugmodel", 1, 1, 1, 1, 256, 4, "none", mixed_precision="float32", device_type="cpu")["gib"]
     d = get_flavor("debugmodel")
-    block = max(_layer_activation_bytes(d, moe, 1, 1, 4) for moe in (False, True)) * 1024
+    block = max(layer_activation_bytes(d, moe, 1, 1, 4) for moe in (False, True)) * 1024
     assert alone["late_backward"] == pytest.approx((2 * 1024 * d.vocab_size * 4 + block) / GiB)
 
 
@@ -352,8 +353,8 @@ def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from models.common.rope import precompute_freqs_cis
+    from trainer.activation_memory import block_activation_bytes, checkpointed_blocks, layer_activation_bytes
     from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
-    from trainer.memory import _checkpointed_blocks, _layer_activation_bytes, block_activation_bytes
     from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
     batch, seq = 2, 64
@@ -383,11 +384,11 @@ def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
 
     parts = recompute_module_set(("deepseek",)) if mode == "modules" else CHEAP_PARTS if mode == "op" else ()
     kinds = [i >= a.n_dense_layers for i in range(a.n_layers)]
-    flags = _checkpointed_blocks(mode, a.n_layers, a.n_layers, 2)
+    flags = checkpointed_blocks(mode, a.n_layers, a.n_layers, 2)
     assert flags == ([False] * 6 if mode == "none" else [True, False] * 3 if mode == "selective" else [True] * 6)
     per_token = [
         block_activation_bytes(a, moe, "modules" if parts else "full", parts) if checkpointed
-        else _layer_activation_bytes(a, moe, 1, 1, 4)
+        else layer_activation_bytes(a, moe, 1, 1, 4)
         for moe, checkpointed in zip(kinds, flags)
     ]
     estimated = sum(per_token) * batch * seq
