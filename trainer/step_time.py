@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
 from models.deepseek_v3.stats import stage_unit_costs
+from trainer.activation_memory import checkpointed_blocks
 from trainer.config.activation_checkpoint import recompute_module_set
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
@@ -212,13 +213,15 @@ def part_flops(args: DeepSeekV3ModelArgs, seq_len: int) -> dict[str, float]:
 def _selective_blocks(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> list[int]:
     """The main blocks ``selective`` checkpoints: every ``selective_every``-th of each pp rank's,
     from its first, in the model's order (trainer/parallel/activation_checkpoint.py counts the
-    blocks of the model a rank holds, all its stages' together); MTP's blocks never."""
+    blocks of the model a rank holds, all its stages' together; the estimator's own rule,
+    trainer/activation_memory.py ``checkpointed_blocks``); MTP's blocks never."""
     pipe = plan.pipeline
     held = [range(args.n_layers)]
     if pipe.enabled:
         specs = pipe.split(args.n_layers, args.mtp_depth, figures.costs)
         held = [sorted(i for s in pipe.rank_stages(specs, r) for i in s.layers) for r in range(pipe.pp)]
-    return [i for layers in held for j, i in enumerate(layers) if i < args.n_layers and j % plan.selective_every == 0]
+    chosen = (checkpointed_blocks("selective", len(layers), len(layers), plan.selective_every) for layers in held)
+    return [i for layers, flags in zip(held, chosen) for i, flag in zip(layers, flags) if flag]
 
 
 def recompute_flops(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigures) -> float:
