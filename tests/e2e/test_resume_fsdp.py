@@ -10,7 +10,7 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
   ``python -m``, like tests/distributed/parity_worker.py); each resumed Trainer is built from
   scratch and gets model, optimizer, schedule, data position and RNG from the checkpoint alone.
   A real process kill is tested single-process in test_resume.py. Every run keeps the parameter
-  EMA (``[ema]``, trainer/ema.py): each rank averages its own FSDP / EP shards, and the resumed
+  EMA (``[ema]``, trainer/optim/ema.py): each rank averages its own FSDP / EP shards, and the resumed
   run's average at step 10 is bit-identical to the straight run's (both read from their step-10
   checkpoints, resharded to whole tensors by DCP).
 - reshard: the layouts must read the same tokens per step to compare losses, so the two-process
