@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 
 from models.deepseek_v3 import flavor_names
 from trainer.config import ConfigError
+from trainer.config.activation_checkpoint import RECOMPUTE_MODULES, RECOMPUTE_SETS, ACMode
 from trainer.config.pipeline_layout import PipelinePlan
 from trainer.config.schedules import PP_SCHEDULES
 from trainer.memory import ACT_BYTES, estimate
@@ -43,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--local_batch_size", type=int, default=1,
                    help="sequences per data rank per accumulation micro-batch (with --pp: split into --pp_microbatches)")
-    p.add_argument("--ac", choices=("full", "none"), default="full")
+    p.add_argument("--ac", choices=typing.get_args(ACMode), default="full", help="activation_checkpoint.mode")
+    p.add_argument("--recompute_modules", nargs="+", default=["deepseek"],
+                   help="activation_checkpoint.recompute_modules under --ac modules (names or sets: "
+                   + ", ".join((*RECOMPUTE_SETS, *RECOMPUTE_MODULES)) + ")")
+    p.add_argument("--selective_every", type=int, default=2, help="activation_checkpoint.selective_every")
     p.add_argument("--mixed_precision", choices=tuple(ACT_BYTES), default="bfloat16",
                    help="activation dtype: training.mixed_precision_param")
     p.add_argument("--optimizer", choices=("AdamW", "muon"), default="AdamW", help="optimizer.name")
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         r = estimate(args.flavor, args.dp_shard, args.ep, args.tp, args.cp, args.seq_len, args.local_batch_size,
                      args.ac, args.mixed_precision, device_type=args.device, optimizer=args.optimizer,
                      state_dtype=args.state_dtype, pipeline=PipelinePlan.from_config(args),
-                     ep_as_cp=args.ep_as_cp)
+                     ep_as_cp=args.ep_as_cp, recompute_modules=tuple(args.recompute_modules),
+                     selective_every=args.selective_every)
     except (ValueError, ConfigError) as e:
         p.error(str(e))
     if args.json:

@@ -10,32 +10,39 @@ from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_s
 
 
 def layer_activation_bytes(
-    a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int, fp32_norms: bool = False
+    a: DeepSeekV3ModelArgs, moe: bool, tp: int, cp: int, act_bytes: int, cpu_norms: bool = False
 ) -> float:
-    """Bytes saved for backward per *local* token of one block (no checkpointing). ``fp32_norms``:
-    ``nn.RMSNorm`` on CPU in a lower precision computes in fp32 and saves the fp32 input and the
-    normalized fp32 rows of each of the block's four norms (CUDA's fused kernel saves the input
-    and one fp32 value per row)."""
-    d, h = a.dim, a.n_heads
-    heads = h / tp
-    attn = (
-        d / tp + d  # attn_norm input (sequence-sharded) and its all-gathered output
-        + (2 * a.q_lora_rank if a.q_lora_rank else 0)  # wq_a out, q_norm out
-        + 2 * heads * a.qk_head_dim  # q before / after the rope concat
-        + 2 * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a out, kv_norm out (+ the gathered copy)
-        + cp * heads * (a.qk_nope_head_dim + a.v_head_dim)  # wkv_b out for all cp ranks' keys
+    """Bytes saved for backward per *local* token of one block (no checkpointing): what autograd
+    keeps, read with ``saved_tensors_hooks`` and deduplicated by storage (tests/unit/test_memory.py
+    checks it on the debug model and proxy_1b, bf16 and fp32). The up-projections' outputs are
+    split and concatenated into q, k and v, so SDPA's inputs stay, not wq_b's or wkv_b's outputs.
+
+    ``cpu_norms``: ``nn.RMSNorm`` on CPU (the dry run's device too) keeps each norm's input in fp32
+    (a copy below fp32) and its normalized fp32 rows, 8 bytes per element whatever the compute
+    dtype; CUDA's fused kernel keeps the input and one fp32 value per row."""
+    d, heads, low_cpu = a.dim, a.n_heads / tp, cpu_norms and act_bytes < 4
+    norm_inputs = 2 * d / tp + a.q_lora_rank + a.kv_lora_rank  # attn_norm, ffn_norm, q_norm, kv_norm
+    kept = (
+        d  # attn_norm's (all-gathered) output, the down-projections' input
+        + a.q_lora_rank + a.kv_lora_rank  # q_norm's and kv_norm's outputs (wq_b's and wkv_b's inputs)
+        + (0 if low_cpu else a.qk_rope_head_dim)  # the rest of wkv_a's output, kept with kv_norm's input
+        + heads * a.qk_head_dim  # q after the rope concat
         + cp * heads * 2 * a.qk_head_dim  # k and zero-padded v for all keys
-        + 2 * heads * a.v_head_dim  # attention output, wo input
+        + heads * a.qk_head_dim + heads * a.v_head_dim  # the attention output (v's width padded), wo input
+        + d  # ffn_norm's output
     )
+    fp32 = heads + a.qk_rope_head_dim  # the attention's logsumexp, the rotated k_pe
     if moe:
         m = a.moe
-        routed = m.top_k * (2 * d + 4 * a.moe_inter_dim)  # dispatched rows, w1/w3 outs, silu, product, expert out
-        shared = d + 4 * m.num_shared_experts * a.moe_inter_dim / tp
-        ffn = d / tp + d + routed + shared + 2 * m.num_experts  # norm in/out, fp32 router scores
+        # Dispatched rows, w1 and w3 outputs, silu, their product, and the shared experts' four.
+        kept += m.top_k * (d + 4 * a.moe_inter_dim) + 4 * m.num_shared_experts * a.moe_inter_dim / tp
+        # Each routed row's output is kept in fp32 by the combine (it upcasts before weighting by
+        # the router's score); the router's fp32 input (a copy below fp32), sigmoid scores and the
+        # normalised top-k weights (twice).
+        fp32 += m.top_k * d + (d if act_bytes < 4 else 0) + m.num_experts + 2 * m.top_k
     else:
-        ffn = d / tp + d + 4 * a.inter_dim / tp
-    norms = 2 * 4 * (2 * d / tp + a.q_lora_rank + a.kv_lora_rank) if fp32_norms else 0.0
-    return (attn + ffn) * act_bytes + norms
+        kept += 4 * a.inter_dim / tp
+    return kept * act_bytes + fp32 * 4 + norm_inputs * (8 if cpu_norms else act_bytes)
 
 
 def block_activation_bytes(

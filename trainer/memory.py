@@ -341,7 +341,7 @@ def _estimate_share(
     tokens = rows * seq_len / cp  # local tokens per micro-batch
     fp32_norms = device_type == "cpu" and act_bytes < 4
     layer_bytes = {
-        moe: layer_activation_bytes(a, moe=moe, tp=tp, cp=cp, act_bytes=act_bytes, fp32_norms=fp32_norms) * tokens
+        moe: layer_activation_bytes(a, moe=moe, tp=tp, cp=cp, act_bytes=act_bytes, cpu_norms=device_type == "cpu") * tokens
         for moe in set(kinds)
     }
     per_layer = [layer_bytes[k] for k in kinds]

@@ -26,10 +26,11 @@ def test_cuda_terms_of_the_estimate():
     assert cuda["bf16_weight_copies"] == pytest.approx((params - embedding) * 2 / GiB)
     assert cuda["cublas_workspace"] == pytest.approx(32 / 1024) and 0 < cuda["allocator_rounding"] < 0.1
     assert cpu["bf16_weight_copies"] == cpu["allocator_rounding"] == cpu["cublas_workspace"] == 0
-    # CPU's RMSNorm keeps two fp32 copies of each norm's input (CUDA's fused kernel does not):
-    # four per block, and the final norm and three per MTP module beside the head.
+    # CPU's RMSNorm keeps each norm's input and its normalized rows in fp32, CUDA's fused kernel
+    # the input in bf16 (which keeps the rest of wkv_a's output, the rope part, with it): four
+    # norms per block, and the final norm and three per MTP module beside the head.
     a = get_flavor("proxy_1b")
-    per_block = 2 * 4 * (2 * a.dim + a.q_lora_rank + a.kv_lora_rank) * 4096
+    per_block = ((2 * 4 - 2) * (2 * a.dim + a.q_lora_rank + a.kv_lora_rank) - 2 * a.qk_rope_head_dim) * 4096
     assert cpu["layers"] - cuda["layers"] == pytest.approx((a.n_layers + a.mtp_depth) * per_block / GiB)
     assert cpu["logits_and_loss"] - cuda["logits_and_loss"] == pytest.approx(
         (1 + 3 * a.mtp_depth) * a.dim * 2 * 4 * 4096 / GiB)
@@ -254,7 +255,7 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     assert fullest == base["gib_per_pp_rank"].index(base["gib"]["total"])
     stages = [[i >= args.n_dense_layers for i in s.layers] + [True] * (args.mtp_depth if s.last else 0)
               for s in plan.rank_stages(specs, fullest)]
-    largest = max(sum(layer_activation_bytes(args, moe, 1, 1, 4) * 256 for moe in s) for s in stages)
+    largest = max(sum(layer_activation_bytes(args, moe, 1, 1, 4, cpu_norms=True) * 256 for moe in s) for s in stages)
     assert zb["gib"]["layers"] - base["gib"]["layers"] == pytest.approx(ZB_WEIGHT_PASS_RECOMPUTES * largest / GiB)
     for with_ac, without in zip(zb["gib_per_pp_rank"], with_schedule("InterleavedZeroBubble", "none")["gib_per_pp_rank"]):
         assert with_ac < without
@@ -316,7 +317,7 @@ def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
     est = estimate("671B", 256, 64, 1, 1, 4096, 1, "full", device_type="cpu")["gib"]
     logits = 2 * 4096 * a.vocab_size * 2  # main and MTP head, bf16
     root = 2 * 2 * a.vocab_size * a.dim * 2  # embedding and head, parameters and gradients, bf16
-    block = layer_activation_bytes(a, True, 1, 1, 2, fp32_norms=True) * 4096
+    block = layer_activation_bytes(a, True, 1, 1, 2, cpu_norms=True) * 4096
     assert est["late_backward"] == pytest.approx((logits + root + block) / GiB)
     late = est["grads"] + est["late_backward"] + est["fsdp_unsharded_block"]
     assert late > est["fsdp_unsharded_block"] + est["layers"] + est["logits_and_loss"]
@@ -324,7 +325,7 @@ def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
     # One rank holds no FSDP root: only the logits and the block.
     alone = estimate("debugmodel", 1, 1, 1, 1, 256, 4, "none", mixed_precision="float32", device_type="cpu")["gib"]
     d = get_flavor("debugmodel")
-    block = max(layer_activation_bytes(d, moe, 1, 1, 4) for moe in (False, True)) * 1024
+    block = max(layer_activation_bytes(d, moe, 1, 1, 4, cpu_norms=True) for moe in (False, True)) * 1024
     assert alone["late_backward"] == pytest.approx((2 * 1024 * d.vocab_size * 4 + block) / GiB)
 
 
@@ -388,8 +389,43 @@ def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
     assert flags == ([False] * 6 if mode == "none" else [True, False] * 3 if mode == "selective" else [True] * 6)
     per_token = [
         block_activation_bytes(a, moe, "modules" if parts else "full", parts) if checkpointed
-        else layer_activation_bytes(a, moe, 1, 1, 4)
+        else layer_activation_bytes(a, moe, 1, 1, 4, cpu_norms=True)
         for moe, checkpointed in zip(kinds, flags)
     ]
     estimated = sum(per_token) * batch * seq
     assert abs(estimated - held) <= 0.1 * held, (mode, estimated / MiB, held / MiB)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_what_a_block_saves_for_backward_is_the_estimators(dtype):
+    """Every tensor autograd keeps for one block's backward (saved_tensors_hooks, counted once per
+    storage, parameters aside), the debug model's dense and MoE blocks in bf16 and fp32 on CPU,
+    against `layer_activation_bytes`: its widths follow what the model keeps, not a guess (the
+    combine's fp32 copy of every routed row, the norms' fp32 rows, SDPA's inputs)."""
+    import dataclasses
+
+    from models.common.rope import precompute_freqs_cis
+    from trainer.activation_memory import layer_activation_bytes
+
+    seq, act_bytes = 64, torch.empty((), dtype=dtype).element_size()
+    a = dataclasses.replace(get_flavor("debugmodel"), max_seq_len=seq)
+    torch.manual_seed(0)
+    freqs = precompute_freqs_cis(a.qk_rope_head_dim, seq, a.rope_theta, device="cpu")
+    layers = DeepSeekV3Model(a).layers
+    for i in (0, 1):  # dense, MoE
+        block = layers[str(i)].to(dtype)
+        x = torch.randn(1, seq, a.dim, dtype=dtype).requires_grad_()
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in skip:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, freqs, None)
+        # In fp32 the first norm keeps the block's input itself, which the caller allocated.
+        held = sum(kept.values()) + (a.dim * 4 * seq if act_bytes == 4 else 0)
+        estimated = layer_activation_bytes(a, i >= a.n_dense_layers, 1, 1, act_bytes, cpu_norms=True) * seq
+        assert abs(estimated - held) <= 0.03 * held, (i, dtype, estimated / seq, held / seq)
