@@ -13,7 +13,8 @@ launch pays it.) QK-clip clips at steps 2, 4 and 6 (`qk_clip_every 2`, a thresho
 model's max logits) in every run, the resumed layouts' clips their own: TP 2's with each rank's
 heads gathered and its own rows scaled. The clips' max logits (every layer) and clipped heads are
 compared too. A compiled one-process run with QK-clip (inductor, in this process) compares its
-five steps with the eager one's and proves clip and non-clip steps run the graphs traced at step 1.
+five steps with the eager one's and proves clip and non-clip steps run the graphs traced at step 1;
+it is also the suite's `--training.compile` run as a user runs it (its log and saved config).
 """
 
 import shutil
@@ -23,6 +24,8 @@ import pytest
 import torch
 from in_process import COMMON, assert_close, run_layout, run_main
 from torch._dynamo.utils import counters
+
+from trainer.run_folder import latest_run_folder
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -107,7 +110,12 @@ def test_compiled_with_qk_clip_matches_eager(single, tmp_path):
     after warmup makes them the 6-step run's first five): the eager run's losses and clips, and the
     clip steps (2, 4) and the others run the graphs traced at step 1: three over the run (dense
     block, MoE block, loss; MTP's MoE block shares its trace), where a recompile or a graph break
-    at a clip step would have added one."""
+    at a clip step would have added one.
+
+    It is also `--training.compile` as a user runs it (this was tests/e2e/test_compile_e2e.py's own
+    20-step AdamW compile, a minute of inductor on 2 cores for what this run shows too: the
+    optimizer runs outside the compiled blocks): the saved config says so, the log says
+    `compiling ...` before the first step, and the compiled losses are finite and fall."""
     torch._dynamo.reset()
     counters.clear()
     args = [*COMMON, *MUON, *SCHEDULE, *CLIP, *SINGLE[1], "--training.steps", str(COMPILED_STEPS), "--training.compile"]
@@ -116,6 +124,13 @@ def test_compiled_with_qk_clip_matches_eager(single, tmp_path):
     assert sorted(s for s in compiled if "loss" in compiled[s]) == list(range(1, COMPILED_STEPS + 1))
     for step in range(1, COMPILED_STEPS + 1):
         assert_close(f"compiled step {step}", compiled[step]["loss"], single[0][step]["loss"])
+    losses = [compiled[step]["loss"] for step in range(1, COMPILED_STEPS + 1)]
+    assert all(loss == loss and loss < 10.0 for loss in losses) and losses[-1] < losses[0]  # finite, sane, trains
+    run_folder = latest_run_folder(tmp_path / "compiled")
+    assert "compile = true" in (run_folder / "config.toml").read_text()
+    # The first step compiles for a while: the log says so before it.
+    log = (run_folder / "train.log").read_text()
+    assert "compiling ..." in log and log.index("compiling ...") < log.index(f"step 1/{COMPILED_STEPS}")
     _assert_same_clips("compiled", compiled, single[0], [s for s in CLIP_STEPS if s <= COMPILED_STEPS])
 
 
