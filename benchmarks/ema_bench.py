@@ -1,4 +1,4 @@
-"""Cost of the parameter EMA (`[ema]`, trainer/ema.py) per update, beside the optimizer step it follows.
+"""Cost of the parameter EMA (`[ema]`, trainer/optim/ema.py) per update, beside the optimizer step it follows.
 
 Builds the flavor's model (seeded init, `--model-override` applied, fp32, one process), gives
 every parameter the same random gradient and times, alternating within each repetition so a busy
@@ -25,7 +25,7 @@ import torch
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.diagnostics import apply_overrides
-from trainer.ema import ParameterEMA
+from trainer.optim.ema import ParameterEMA
 
 
 def _timed(fn, sync) -> float:

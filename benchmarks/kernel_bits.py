@@ -9,7 +9,7 @@ Prints one line for the process's settings:
 - whether a plain contiguous `torch.bmm` gives a small matrix the same bits at every position of
   its batch (`6 x 7 x 9` by its transpose): MKL's AVX2 GEMM does not, as the output of a matrix at
   an odd position starts off a 16-byte boundary;
-- whether `trainer.muon.batched_newton_schulz`, which lays its intermediates 64 bytes apart, does.
+- whether `trainer.optim.muon.batched_newton_schulz`, which lays its intermediates 64 bytes apart, does.
 One thread, as run_train.sh runs on CPU. Not a timing: a numerics probe.
 """
 
@@ -19,7 +19,7 @@ import hashlib
 
 import torch
 
-from trainer.muon import batched_newton_schulz
+from trainer.optim.muon import batched_newton_schulz
 
 
 def _same_at_every_position(fn, stack: torch.Tensor) -> bool:

@@ -9,14 +9,14 @@ sharded, so routed experts stay whole on their rank, as with efsdp), build
 `optimizer.step()` alone: `--warmup` untimed steps (they create the state and Muon's owner
 plan), then the median of `--steps` timed ones; a row's time is the slowest rank's. During one
 more step each rank counts its Newton-Schulz calls and their FLOPs (by wrapping
-`trainer.muon.newton_schulz` / `batched_newton_schulz`) and its host reads
+`trainer.optim.muon.newton_schulz` / `batched_newton_schulz`) and its host reads
 (`trainer.diagnostics.HostReadCounter`: `.item()`, `.tolist()`, ... of tensors). State bytes per
 parameter count every optimizer-state tensor over the parameter count (world 1). Settings run one
 after another in the same processes; on a shared machine compare ratios taken in the same run.
 
 **671B** (`--flops-671b`): NS FLOPs per rank of the 671B flavor at 2048 ranks, before (every rank
 orthogonalises every 2-D Muon matrix of its pipeline stage) and after (each once, owners from
-`trainer.muon_owners.assign_owners`, the optimizer's own code, balanced over all ranks against
+`trainer.optim.muon_owners.assign_owners`, the optimizer's own code, balanced over all ranks against
 the expert stacks each rank orthogonalises anyway). No process group: shapes come from the model
 built on the meta device.
 
@@ -39,8 +39,8 @@ import torch
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.config import JobConfig
 from trainer.diagnostics import HostReadCounter, apply_overrides, init_local_gloo, spawn_local
-from trainer.muon import muon_params
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
+from trainer.optim.muon import muon_params
 
 SETTINGS = (("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"), ("muon", "bfloat16"))
 KERNELS = ("newton_schulz", "batched_newton_schulz")
@@ -48,7 +48,7 @@ KERNELS = ("newton_schulz", "batched_newton_schulz")
 
 def _ns_flops(shape, steps: int) -> float:
     try:
-        from trainer.muon_owners import ns_flops
+        from trainer.optim.muon_owners import ns_flops
     except ImportError:  # a tree from before owned Newton-Schulz (`--before` figures): the same count
         s, l = sorted(shape[-2:])
         return 2.0 * (shape[0] if len(shape) == 3 else 1) * steps * s * s * (2 * l + s)
@@ -56,9 +56,9 @@ def _ns_flops(shape, steps: int) -> float:
 
 
 def _count_ns(calls: list) -> dict:
-    """Wraps the NS kernels of trainer.muon (those this tree has) to append (shape, FLOPs) to
+    """Wraps the NS kernels of trainer.optim.muon (those this tree has) to append (shape, FLOPs) to
     `calls`; returns the originals."""
-    import trainer.muon as muon
+    import trainer.optim.muon as muon
 
     originals = {k: getattr(muon, k) for k in KERNELS if hasattr(muon, k)}
 
@@ -120,7 +120,7 @@ def measure(args, name: str, state_dtype: str, a, world: int) -> dict:
         with reads:
             optimizer.step()
     finally:
-        import trainer.muon as muon
+        import trainer.optim.muon as muon
 
         for k, kernel in originals.items():
             setattr(muon, k, kernel)
@@ -178,7 +178,7 @@ def ns_compare(args, device: torch.device, dtype: torch.dtype, seed: int) -> dic
     """Batched NS of one routed-expert stack of the flavor vs the same matrices one at a time, in
     `dtype` on `device`: whether they are bitwise equal, and the largest difference (the results'
     entries are O(0.1))."""
-    from trainer.muon import batched_newton_schulz, newton_schulz
+    from trainer.optim.muon import batched_newton_schulz, newton_schulz
 
     gen = torch.Generator().manual_seed(seed)
     stack = torch.randn(args.moe.num_experts, args.moe_inter_dim, args.dim, generator=gen).to(device)
@@ -204,8 +204,8 @@ def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: i
     shapes of the flavor's Muon parameters, three ways: `before` (every rank orthogonalises every
     2-D matrix of its stage, and the experts it holds), `local` (2-D matrices owned, experts where
     they are held) and `pooled` (every matrix owned, each expert within its expert-parallel slice:
-    what `trainer.muon_owners.OwnedExchange` does, by the same `assign_owners`)."""
-    from trainer.muon_owners import assign_owners, ns_flops
+    what `trainer.optim.muon_owners.OwnedExchange` does, by the same `assign_owners`)."""
+    from trainer.optim.muon_owners import assign_owners, ns_flops
 
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
@@ -231,7 +231,7 @@ def layout_flops(args, world: int, pp: int, ep: int, replicate: int, ns_steps: i
                 alone[group[0]] += per_ep * cost
         if len(groups[0]) == 1:
             continue
-        # The owner plan's order (`trainer.muon_owners._plan_order`): in turn over the slice's
+        # The owner plan's order (`trainer.optim.muon_owners._plan_order`): in turn over the slice's
         # holders (efsdp rank i // part), the groups interleaved.
         for i in sorted(range(per_ep), key=lambda i: (i % part, i // part)):
             for e, group in enumerate(groups):

@@ -33,10 +33,8 @@ from trainer.distributed import (
     set_collective_timeout,
     world_size_from_env,
 )
-from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest
 from trainer.launch_files import previous_attempt_failure
-from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import GiB, check_fits
 from trainer.metrics import (
     MetricsLogger,
@@ -46,11 +44,13 @@ from trainer.metrics import (
     peak_memory_gib,
 )
 from trainer.model_args import build_model_args, resolve_flavor
-from trainer.optim import ExpertBiasUpdater, build_optimizer
+from trainer.optim.build import ExpertBiasUpdater, build_optimizer
+from trainer.optim.ema import ParameterEMA
+from trainer.optim.lr_schedule import build_lr_scheduler
+from trainer.optim.qk_clip import QKClip
 from trainer.parallel import ParallelDims, build_loss_function, materialize, parallelize_model
 from trainer.parallel.replica_groups import LiveState, build_replica_groups
 from trainer.profiling import Profiler, StepBreakdown
-from trainer.qk_clip import QKClip
 from trainer.run_folder import open_run_folder
 from trainer.run_header import log_run_header
 from trainer.runtime import (
@@ -246,7 +246,7 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # The step's optional parts (trainer/step_hooks.py), called at the same points of every step.
-        # The parameter EMA comes first: it reads the weights before any hook writes them (trainer/ema.py).
+        # The parameter EMA comes first: it reads the weights before any hook writes them (trainer/optim/ema.py).
         self.ema = ParameterEMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.enable else None
         self.step_hooks: list[StepHook] = [
             *([self.ema] if self.ema is not None else []),

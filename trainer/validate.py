@@ -2,7 +2,7 @@
 
 `scores` gives the run's validation figures: ``val_loss``, and with ``ema.validate`` also
 ``val_loss_ema``, the same batches scored with the parameter EMA's weights swapped in
-(`trainer.ema.ParameterEMA.swapped_in`; the training weights come back bit for bit).
+(`trainer.optim.ema.ParameterEMA.swapped_in`; the training weights come back bit for bit).
 
 Every validation pass rebuilds the loader from the start of the split, so each pass
 scores exactly the same batches and the values are comparable across steps. The loader reads
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
-from trainer.ema import ParameterEMA
+from trainer.optim.ema import ParameterEMA
 from trainer.parallel import ParallelStep
 
 

@@ -145,7 +145,7 @@ class MLA(nn.Module):
         # -> the same for the whole sequence` (trainer/parallel/context_parallel.py): only the
         # compressed latent crosses ranks, queries stay local. None = single device.
         self.latent_exchange = None
-        # QK-clip (trainer/qk_clip.py) installs both tensors; None = no recording. On a step whose
+        # QK-clip (trainer/optim/qk_clip.py) installs both tensors; None = no recording. On a step whose
         # `record_max_logit` (a 0-d bool tensor on the CPU) is True, `max_logit` (`[H]`, this
         # module's heads, on the activations' device) is folded with the per-head max of the
         # pre-softmax logits of every forward. Tensors, not a Python bool: compiled, the flag is

@@ -88,7 +88,7 @@ def run(rank: int, world: int, port: int, modes: tuple[bool, ...], queue) -> Non
 
 
 def check_sharded(rank: int, world: int, group, precompute: bool) -> dict[str, int]:
-    from trainer.engram_optim import OffloadedAdam
+    from trainer.optim.engram import OffloadedAdam
     from trainer.parallel.engram_parallel import apply_engram_parallel, shard_rows
     from trainer.parallel.grad_norm import grad_norm
 
@@ -268,8 +268,8 @@ def checkpoint_phase(rank: int, world: int, degree: int, mode: str, ckpt_dir: st
     global losses of steps 3 and 4 and the table rows held."""
     from trainer.checkpoint import CheckpointManager
     from trainer.config import load_config
-    from trainer.lr_schedule import build_lr_scheduler
-    from trainer.optim import build_optimizer
+    from trainer.optim.build import build_optimizer
+    from trainer.optim.lr_schedule import build_lr_scheduler
     from trainer.parallel.parallel_dims import ParallelDims
     from trainer.parallel.parallelize import parallelize_model
 

@@ -1,5 +1,5 @@
 """Worker of tests/distributed/test_muon_owners.py: one Muon training step of the real trainer on one
-of 4 gloo ranks, counting this rank's Newton-Schulz calls (`trainer.muon.newton_schulz` per
+of 4 gloo ranks, counting this rank's Newton-Schulz calls (`trainer.optim.muon.newton_schulz` per
 matrix, `batched_newton_schulz` per expert stack) and their FLOPs.
 
 Both layouts, and a bitwise check of the owned NS in each placement a 2-D parameter gets
@@ -38,11 +38,11 @@ def _one_layout(rank: int, world: int, port: int, workdir: Path, flags: list[str
     import dataclasses
 
     import trainer.model_args as model_args
-    import trainer.muon as muon
+    import trainer.optim.muon as muon
     from models.deepseek_v3 import get_flavor
     from tests.helpers import step_trainer
     from trainer.distributed import local_part, local_tensor
-    from trainer.muon_owners import ns_flops
+    from trainer.optim.muon_owners import ns_flops
 
     calls: dict[str, list] = {"matrix": [], "stack": []}
     kernels = {"matrix": muon.newton_schulz, "stack": muon.batched_newton_schulz}
@@ -128,7 +128,7 @@ def _placements(rank: int, world: int, port: int) -> dict[str, bool]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from trainer.diagnostics import HostReadCounter, init_local_gloo
-    from trainer.muon import MuonAdamW
+    from trainer.optim.muon import MuonAdamW
 
     init_local_gloo(rank, world, port)
     gen = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
-from trainer.qk_clip import QKClip
+from trainer.optim.qk_clip import QKClip
 
 DP, TP = 2, 2
 # 6 heads: 3 per tp rank, so each FSDP shard of a rank's `wq_b` / `wkv_b` rows holds 1.5 heads.

@@ -41,7 +41,7 @@ TP_2 = (2, ["--parallelism.tp", "2", "--training.local_batch_size", "8"])
 # resumes step 1 so that its five steps (2-6) clip three times (2, 4, 6).
 RESUMED = {"fsdp_4_ep_2": ("hsdp_2x2", MID, FSDP_4_EP_2), "tp_2": ("single", 1, TP_2)}
 # Straight runs of their own (no checkpoint): Newton-Schulz on owners across a data-parallel group,
-# and across pipeline stages (owners are balanced over all ranks, trainer/muon_owners.py).
+# and across pipeline stages (owners are balanced over all ranks, trainer/optim/muon_owners.py).
 STRAIGHT = {
     "fsdp_2": (2, ["--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),
     "pp_2_fsdp_2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]),

@@ -10,9 +10,10 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
   (`spawn_local`, with the env:// variables torchrun would set, and no torchrun process to start);
   each resumed Trainer is built from scratch and gets model, optimizer, schedule, data position
   and RNG from the checkpoint alone. A real process kill is tested single-process in
-  test_resume.py. Every run keeps the parameter EMA (``[ema]``, trainer/ema.py): each rank
-  averages its own FSDP / EP shards, and the resumed run's average at step 10 is bit-identical to
-  the straight run's (both read from their step-10 checkpoints, resharded to whole tensors by DCP).
+  test_resume.py. Every run keeps the parameter EMA (``[ema]``, trainer/optim/ema.py): each
+  rank averages its own FSDP / EP shards, and the resumed run's average at step 10 is
+  bit-identical to the straight run's (both read from their step-10 checkpoints, resharded to
+  whole tensors by DCP).
 - reshard: the layouts must read the same tokens per step to compare losses, so the two-process
   side is FSDP 2 + EP 2 as context parallel (``ep_as_cp``: data-parallel degree 1, the sequence
   split over the ep ranks; the same expert placements as FSDP 2 + EP 2). A single-process

@@ -30,8 +30,8 @@ from trainer.checkpoint import (
 )
 from trainer.checkpoint.folder import checkpoint_shapes
 from trainer.checkpoint.safe_load import SafeFileSystemReader
-from trainer.ema import ParameterEMA
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest, TrainingDiverged
+from trainer.optim.ema import ParameterEMA
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -128,7 +128,7 @@ def test_save_resume_restores_everything(tmp_path):
             assert torch.equal(value, sb["state"][pid][name]), name
     assert b.sched.state_dict()["last_epoch"] == 3 and b.loader.pos == 3
     assert torch.equal(torch.rand(3), rng_after_save)
-    # The parameter EMA continues bit for bit (trainer/ema.py).
+    # The parameter EMA continues bit for bit (trainer/optim/ema.py).
     for t in (a, b):
         train_step(t, 4)
         t.ema.flush()

@@ -1,4 +1,4 @@
-"""trainer/ema.py: the average after N steps against an explicit loop (bitwise: the same CPU
+"""trainer/optim/ema.py: the average after N steps against an explicit loop (bitwise: the same CPU
 ``lerp_`` calls) and against the textbook formula in float64 (a bound from the rounding), the
 deferred update and its flush, the validation swap, and the `[ema]` config checks.
 Checkpoints: tests/unit/test_checkpoint.py (single process) and tests/e2e/test_resume_fsdp.py (FSDP 2)."""
@@ -9,7 +9,7 @@ from torch import nn
 
 from trainer.config import ConfigError, load_config
 from trainer.config.check import main as check_main
-from trainer.ema import ParameterEMA
+from trainer.optim.ema import ParameterEMA
 
 U = 2.0**-24  # fp32 unit roundoff
 

@@ -281,7 +281,7 @@ def test_table_init_independent_of_sharding():
 
 def test_optimizer_group_for_tables():
     from trainer.config import load_config
-    from trainer.optim import build_optimizer
+    from trainer.optim.build import build_optimizer
 
     cfg = load_config(["--engram.enable", "--engram.layer_ids", "0,2", "--optimizer.lr", "1e-3"])
     model = _model(_engram_args(layer_ids=(0, 2)))

@@ -8,8 +8,8 @@ import torch
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.engram import EngramArgs, NgramHasher, TokenCompression, engram_table_params
 from trainer.config import load_config
-from trainer.lr_schedule import build_lr_scheduler
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
+from trainer.optim.lr_schedule import build_lr_scheduler
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer.config import LRScheduler
-from trainer.lr_schedule import build_lr_scheduler, lr_factor
+from trainer.optim.lr_schedule import build_lr_scheduler, lr_factor
 
 
 def factors(steps, **kw):

@@ -8,8 +8,8 @@ from torch import nn
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.config import JobConfig
-from trainer.muon import MuonAdamW, batched_newton_schulz, muon_params, orthogonalize, rms_matched_scale
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
+from trainer.optim.muon import MuonAdamW, batched_newton_schulz, muon_params, orthogonalize, rms_matched_scale
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -58,7 +58,7 @@ def test_a_matrix_gets_the_same_bits_in_any_batch(shape, dtype):
     """An expert matrix's update does not depend on which batch it is orthogonalised in: an owner's
     bucket (a few matrices, from position 0) and one process's whole stack (at position e) give it
     the same bits. Odd sizes are the hard case: in a contiguous batch their matrices start off a
-    16-byte boundary, where MKL's AVX2 GEMM rounded them otherwise (trainer.muon._apart)."""
+    16-byte boundary, where MKL's AVX2 GEMM rounded them otherwise (trainer.optim.muon._apart)."""
     g = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     whole = batched_newton_schulz(g, 5, dtype)
     for start in range(shape[0]):
@@ -91,7 +91,7 @@ def test_step_reads_nothing_from_the_device_and_counts_steps_per_group():
 
 
 def test_ns_dtype_auto_follows_the_hardware(monkeypatch, caplog):
-    from trainer.optim import ns_dtype_for
+    from trainer.optim.build import ns_dtype_for
 
     cpu = [torch.zeros(2)]
     assert ns_dtype_for("bfloat16", cpu) == torch.bfloat16 and ns_dtype_for("float32", cpu) == torch.float32

@@ -1,9 +1,9 @@
-"""The owner assignment of owned Newton-Schulz (trainer/muon_owners.py): a pure function of the
+"""The owner assignment of owned Newton-Schulz (trainer/optim/muon_owners.py): a pure function of the
 shapes and the rank count, shared by the optimizer and benchmarks/optim_bench.py."""
 
 import pytest
 
-from trainer.muon_owners import assign_owners, ns_flops, owned_ns_flops
+from trainer.optim.muon_owners import assign_owners, ns_flops, owned_ns_flops
 
 
 def test_ns_flops_counts_the_three_products_per_iteration():
@@ -61,7 +61,7 @@ def test_held_matrices_stay_with_their_holders_unless_that_unbalances():
 
 
 def test_tp_replicas_join_expert_groups_within_their_ep_slice():
-    from trainer.muon_owners import _joined_groups
+    from trainer.optim.muon_owners import _joined_groups
 
     # dp_shard 2 x tp 2 (tp fastest): each fsdp group's tp peers hold the same experts.
     joined = _joined_groups([(0, 2), (1, 3), (0, 1), (2, 3)])

@@ -1,6 +1,6 @@
 """bf16 optimizer states stay bf16 through a checkpoint and resume exactly (Muon and AdamW with
 ``optimizer.state_dtype = "bfloat16"``): torch's ``load_state_dict`` casts state to the parameters'
-fp32, which `trainer.muon` undoes (issue 32)."""
+fp32, which `trainer.optim.muon` undoes (issue 32)."""
 
 import dataclasses
 
@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from trainer.checkpoint import CheckpointManager
 from trainer.config import load_config
-from trainer.lr_schedule import build_lr_scheduler
-from trainer.muon import MuonAdamW
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
+from trainer.optim.lr_schedule import build_lr_scheduler
+from trainer.optim.muon import MuonAdamW
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 

@@ -22,7 +22,7 @@ ALLOWED = {
     "trainer/diagnostics/weight_casts.py": "a dispatch mode counting aten._to_copy",
     "trainer/distributed.py": "the process-group registry (_world), the strided-shard placement, the fake store",
     "trainer/dry_run.py": "fake tensors, a dispatch mode for the grouped GEMM, the pipeline schedule's warm-up",
-    "trainer/muon.py": "torch.optim.Muon's Newton-Schulz kernel and foreach ops",
+    "trainer/optim/muon.py": "torch.optim.Muon's Newton-Schulz kernel and foreach ops",
     "trainer/parallel/activation_checkpoint.py": "per-op SAC's op list and dispatch-mode stacking",
     "trainer/parallel/compile.py": "dynamo configuration",
     "trainer/parallel/context_parallel.py": "functional collectives with autograd",

@@ -12,8 +12,8 @@ from models.common.attention import MLA
 from models.common.rope import apply_rotary_emb, precompute_freqs_cis
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from trainer.loss import cross_entropy_sum
+from trainer.optim.qk_clip import QKClip, rescale_heads
 from trainer.parallel.compile import apply_compile
-from trainer.qk_clip import QKClip, rescale_heads
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 

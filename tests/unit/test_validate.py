@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
-from trainer.ema import ParameterEMA
+from trainer.optim.ema import ParameterEMA
 from trainer.validate import Validator
 
 

@@ -7,7 +7,7 @@ the state dict a training checkpoint holds is this module's:
     optimizer      get_state_dict(optimizer): FQN-keyed, param groups too (flattened), so it
                    reshards like the model, across pipeline stages as well
     lr_scheduler   LambdaLR.state_dict()
-    ema            with `[ema] enable`: the CPU-resident average of the parameters (`trainer.ema`),
+    ema            with `[ema] enable`: the CPU-resident average of the parameters (`trainer.optim.ema`),
                    keyed and laid out like `model`'s parameters, so it reshards the same way
     train_state    {"step", "skipped_total", "seq_len", "global_batch_size"}
     rank_state_R   per rank R: data-loader position (global: the same on every rank, valid in any
@@ -83,10 +83,10 @@ from trainer.checkpoint.folder import (
 from trainer.checkpoint.integrity import ChecksumWriter
 from trainer.distributed import all_ranks_any, barrier, global_rank, global_world_size, is_distributed
 from trainer.fault_tolerance import TrainingDiverged, nonfinite_entries
-from trainer.optim import optimizer_signature
+from trainer.optim.build import optimizer_signature
 
 if TYPE_CHECKING:
-    from trainer.ema import ParameterEMA
+    from trainer.optim.ema import ParameterEMA
 
 logger = logging.getLogger("trainer")
 # Param groups keyed by parameter name, not by group index: a pipeline rank's group 0 holds other

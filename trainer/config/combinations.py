@@ -78,7 +78,7 @@ def combination_problems(cfg: Any) -> list[str]:
             "drop --training.compile, or shard over FSDP / EP instead of TP (parallelism.tp 1)."
         )
     if cfg.job.dry_run and cfg.optimizer.name == "muon" and cfg.dry_run.world_size > 1:
-        # trainer/muon_owners.py: OwnedExchange's plan gathers the other ranks' shard layouts.
+        # trainer/optim/muon_owners.py: OwnedExchange's plan gathers the other ranks' shard layouts.
         problems.append(
             f"job.dry_run cannot rehearse optimizer.name = 'muon' at dry_run.world_size = {cfg.dry_run.world_size}: "
             "Muon's owner plan asks the other ranks where their shards sit, which the fake process group cannot "

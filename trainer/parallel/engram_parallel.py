@@ -29,7 +29,7 @@ last backward, then `ParallelStep.finish_grads` clips with each shard counted on
 
 Checkpoints: the tables' `state_dict()` entries are `DTensor`s with `Shard(0)` placement over
 the engram mesh, so DCP reshards them to any other degree; their optimizer state (and the
-CPU-resident Adam that may hold it) is `trainer/engram_optim.py`'s.
+CPU-resident Adam that may hold it) is `trainer/optim/engram.py`'s.
 """
 
 from __future__ import annotations

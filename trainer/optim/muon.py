@@ -17,11 +17,11 @@ stacks, so only its Newton-Schulz kernel and constants are reused and the step i
   (no efsdp shard, no replica) is orthogonalised there in one batched call, no communication.
   Where several ranks hold the stack's expert-parallel slice (efsdp shards, replicas, and the tp
   ranks, which all hold the same routed experts: `expert_replicas`), each of its expert matrices
-  is orthogonalised once, by an owner among those ranks (trainer/muon_owners.py): efsdp can
+  is orthogonalised once, by an owner among those ranks (trainer/optim/muon_owners.py): efsdp can
   exceed the experts per EP rank, leaving ranks with none, and replicas would each repeat their
   experts.
 * any other matrix held by several ranks (sharded or replicated) is orthogonalised once, by its
-  owner among all ranks (trainer/muon_owners.py): it moves there whole, in buckets, and each holder
+  owner among all ranks (trainer/optim/muon_owners.py): it moves there whole, in buckets, and each holder
   gets back its part of the result. The owner's matrix is the gathered one, so the update is one
   process's.
 
@@ -46,7 +46,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_v
 
 from models.moe.experts import GroupedExperts
 from trainer.distributed import full_from_local, holds_whole_matrices, local_part, local_tensor, mesh_ranks
-from trainer.muon_owners import OwnedExchange, consecutive_runs, expert_group, ns_flops
+from trainer.optim.muon_owners import OwnedExchange, consecutive_runs, expert_group, ns_flops
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -145,7 +145,7 @@ class MuonAdamW(torch.optim.Optimizer):
     corrections need no read of the device). Buffers are created like the parameter (DTensors with
     its placements), so DCP reshards them into any layout; their dtype is `state_dtype`.
     `bucket_bytes` caps the whole matrices one collective moves to their NS owners
-    (`trainer.muon_owners`); `chunk_numel` the elements of one run of foreach calls (`_chunks`).
+    (`trainer.optim.muon_owners`); `chunk_numel` the elements of one run of foreach calls (`_chunks`).
     `expert_replicas` is the mesh whose ranks hold the same routed-expert stacks outside the
     stacks' own mesh (TP's: trainer/parallel/tensor_parallel.py leaves the routed experts whole on
     every tp rank, with identical gradients), so that their expert matrices are pooled over it too.
@@ -217,7 +217,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """Each parameter's part of its orthogonalised update. A plain tensor, or a stack of whole
         expert matrices this rank holds alone: here. A matrix held by several ranks (a 2-D DTensor
         sharded or replicated, an expert matrix of a stack sharded or replicated within its
-        `expert_group` or over `expert_replicas`): on its owner (`trainer.muon_owners`), with every such matrix of the group,
+        `expert_group` or over `expert_replicas`): on its owner (`trainer.optim.muon_owners`), with every such matrix of the group,
         whether or not this step gave it a gradient (zeros then, and the result unused): all ranks
         agree on what moves. A stack sharded inside its matrices (not a layout this trainer
         makes): gathered here."""
@@ -288,7 +288,7 @@ def _chunks(params: list[torch.Tensor], numel: int) -> list[list[torch.Tensor]]:
 
 
 def _pooled(p: torch.Tensor, expert_replicas: tuple[int, ...] = ()) -> bool:
-    """Whether `p`'s matrices are orthogonalised on owners (`trainer.muon_owners`): a 2-D DTensor
+    """Whether `p`'s matrices are orthogonalised on owners (`trainer.optim.muon_owners`): a 2-D DTensor
     on a mesh of several ranks, or an expert stack of whole matrices (a plain tensor included)
     whose `expert_group` has several ranks (efsdp shards, replicas) or that several
     `expert_replicas` hold. A stack this rank holds whole and alone stays here."""

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from models.engram import engram_table_params
 from models.moe import MoE
 from models.moe.balance import apply_expert_bias_update, load_imbalance_stats, reset_expert_counts
-from trainer.engram_optim import EngramOffloadStep, offload_engram_group, register_table_state_hooks
-from trainer.muon import STATE_DTYPES, MuonAdamW, muon_params
+from trainer.optim.engram import EngramOffloadStep, offload_engram_group, register_table_state_hooks
+from trainer.optim.muon import STATE_DTYPES, MuonAdamW, muon_params
 from trainer.step_hooks import StepHook
 
 logger = logging.getLogger("trainer")
@@ -68,9 +68,9 @@ def build_optimizer(
 
     Matrices and embeddings decay; 1-D parameters (norm scales) do not, as in Megatron
     and nanoGPT: decaying a norm scale towards zero only fights the next layer.
-    ``name = "muon"`` moves the block matrices (``trainer.muon.muon_params``) to a Muon group,
+    ``name = "muon"`` moves the block matrices (``trainer.optim.muon.muon_params``) to a Muon group,
     tagged ``"muon": True``; the rest keeps AdamW. ``muon`` or ``state_dtype = "bfloat16"``
-    builds ``trainer.muon.MuonAdamW``, otherwise it is ``torch.optim.AdamW`` / ``Adam``.
+    builds ``trainer.optim.muon.MuonAdamW``, otherwise it is ``torch.optim.AdamW`` / ``Adam``.
     Engram tables (``[engram]`` section) get their own group, tagged ``"engram": True``:
     LR x ``lr_multiplier`` and ``weight_decay`` (0 by default, i.e. plain Adam). Their state
     is checkpointed in a layout-independent form (row-sharded over the engram mesh, also when
