@@ -7,8 +7,11 @@ Every case is a list of command-line flags on top of `COMMON` (fp32, determinist
 the same global batches (trainer/data/datasets.py) and start from the same weights (the
 layout-invariant init, trainer/parallel/weight_init.py), so each must train as one process does.
 
-``references`` maps a rank to the flags of a one-process run it trains before the process group
-starts (WORLD_SIZE 1), so the references run side by side in the same launch as the layouts.
+One launch of four ranks runs everything: first as two pairs side by side, each a 2-rank world
+of its own (ranks 0-1 and 2-3, each pair on its own port) running its share of the 2-rank cases,
+then as one 4-rank world. ``references`` maps a rank to the flags of a one-process run it trains
+first (WORLD_SIZE 1), before its pair's process group starts, so the references run in the same
+launch as the layouts. On 2 cores the two pairs also fill each other's pipeline bubbles.
 """
 
 from __future__ import annotations
@@ -53,10 +56,19 @@ def train(flags: list[str], folder: Path) -> dict[int, dict] | None:
     return records
 
 
-def run(rank: int, world: int, port: int, cases: dict[str, list[str]], references: dict[int, tuple[str, list[str]]],
-        folder: str, queue) -> None:
-    """``references`` first (one process each), then every case on all ``world`` ranks; puts
-    ``(name, records)`` once per reference and case."""
+def _join(rank: int, world: int, port: int) -> None:
+    """The environment `Trainer` initialises its process group from (env://), as torchrun sets it."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+
+
+def run(rank: int, world: int, port: int, pair_cases: list[dict[str, list[str]]], pair_ports: list[int],
+        cases: dict[str, list[str]], references: dict[int, tuple[str, list[str]]], folder: str, queue) -> None:
+    """On `world` = 4 ranks: ``references`` first (one process each), then pair ``rank // 2``'s
+    cases ``pair_cases[rank // 2]`` on its 2 ranks (port ``pair_ports[rank // 2]``), then every case
+    of ``cases`` on all ranks; puts ``(name, records)`` once per reference and case."""
     from trainer.distributed import destroy_distributed
 
     torch.set_num_threads(1)
@@ -64,14 +76,16 @@ def run(rank: int, world: int, port: int, cases: dict[str, list[str]], reference
     if rank in references:
         name, flags = references[rank]
         queue.put((name, train(flags, Path(folder) / name)))
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    try:
-        for name, flags in cases.items():
-            records = train(flags, Path(folder) / name)
-            if rank == 0:
-                queue.put((name, records))
-    finally:
-        destroy_distributed()
+    pair, pair_rank = divmod(rank, 2)
+    for group_rank, group_world, group_port, group_cases in (
+        (pair_rank, 2, pair_ports[pair], pair_cases[pair]),
+        (rank, world, port, cases),
+    ):
+        _join(group_rank, group_world, group_port)
+        try:
+            for name, flags in group_cases.items():
+                records = train(flags, Path(folder) / name)
+                if group_rank == 0:
+                    queue.put((name, records))
+        finally:
+            destroy_distributed()

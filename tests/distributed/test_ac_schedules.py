@@ -3,11 +3,12 @@
 deterministic, the aux-loss-free bias update on, 10 steps).
 
 The matrix: the modes none, full, selective, op and modules (DeepSeek's set) under 1F1B,
-ZBVZeroBubble, InterleavedZeroBubble and DualPipeV at pp 2 (one 2-rank launch), and DualPipeV at
-pp 2 x dp_shard 2 (one 4-rank launch); in the 4-rank launch also DualPipeV at pp 4 on the
-`debugmodel_8blocks` flavor (8 stages: the debug model's 6 blocks cannot fill them), with full
-activation checkpointing. The one-process references train in the 4-rank launch, on ranks 0
-and 1 side by side, before its process group starts.
+ZBVZeroBubble, InterleavedZeroBubble and DualPipeV at pp 2 (2 ranks), DualPipeV at pp 2 x
+dp_shard 2 (4 ranks), and DualPipeV at pp 4 on the `debugmodel_8blocks` flavor (8 stages: the
+debug model's 6 blocks cannot fill them), with full activation checkpointing. All in one 4-rank
+launch (starting a rank is seconds of imports): the 2-rank cases on two pairs of ranks side by
+side, half each, then the 4-rank ones. The one-process references train first, on ranks 0 and 2
+(the pairs' first ranks), before their pairs' process groups start.
 
 What can differ and why it must not: a checkpointed block runs its forward again in backward
 (once per micro-batch for the input gradients and once for the weight gradients under the
@@ -31,9 +32,10 @@ import ac_schedule_worker
 import pytest
 
 from trainer.config.activation_checkpoint import ACMode
-from trainer.diagnostics import spawn_local
+from trainer.diagnostics import free_port, spawn_local
 
-# Two launches, 26 Trainer runs of 10 steps: 421 s on the loaded 2-core box (load 15-20), 2026-12-07.
+# One launch, 26 Trainer runs of 10 steps (two launches took 421 s on the loaded 2-core box, load 15-20,
+# 2026-12-07).
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 REL = 1e-5
@@ -65,22 +67,26 @@ WORLD_4 = {
 }
 REFERENCES = {
     0: ("single", ["--training.local_batch_size", "8"]),
-    1: ("single_8blocks", [*PP4_FLAVOR, "--training.local_batch_size", "8"]),
+    2: ("single_8blocks", [*PP4_FLAVOR, "--training.local_batch_size", "8"]),
 }
+# The 2-rank cases, half to each pair of ranks (alternating, so each pair gets every schedule).
+PAIRS = [dict(list(PP_2.items())[pair::2]) for pair in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     """Records by run name (each a dict step -> loss, grad_norm, moe_imbalance)."""
     tmp = tmp_path_factory.mktemp("ac_schedules")
-    out: dict[str, dict[int, dict]] = {}
-    for world, cases, references in ((4, WORLD_4, REFERENCES), (2, PP_2, {})):
-        results = spawn_local(
-            ac_schedule_worker.run, world, cases, references, str(tmp / f"world{world}"),
-            results=len(cases) + len(references), timeout=1200,
-        )
-        out.update(dict(results))
-    return out
+    pair_ports = [free_port()]
+    while len(pair_ports) < 2:
+        port = free_port()
+        if port not in pair_ports:
+            pair_ports.append(port)
+    results = spawn_local(
+        ac_schedule_worker.run, 4, PAIRS, pair_ports, WORLD_4, REFERENCES, str(tmp),
+        results=len(PP_2) + len(WORLD_4) + len(REFERENCES), timeout=2400,
+    )
+    return dict(results)
 
 
 def _assert_trains_as_one_process(name: str, got: dict[int, dict], single: dict[int, dict]) -> None:

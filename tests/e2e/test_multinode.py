@@ -110,14 +110,17 @@ def test_a_node_whose_workers_hang_at_start_is_not_called_a_failed_rendezvous(tm
     for node in "ab":
         (tmp_path / node).mkdir()
     port = free_port()
-    args = ["--training.steps", "2", "--training.device", "cpu", "--comm.init_timeout_seconds", "10"]
+    # The wait that ends the job: the hung node's worker never comes, so any length shows it; a
+    # short one keeps the test from idling (the first node's own start-up is not under it).
+    init_timeout = 4
+    args = ["--training.steps", "2", "--training.device", "cpu", "--comm.init_timeout_seconds", str(init_timeout)]
     procs = [_launch(tmp_path / "a", 0, port, 2, 1, *args), _launch(tmp_path / "b", 1, port, 2, 1, *args, env=hang)]
     try:
         good, hung = (p.communicate(timeout=300)[0] for p in procs)
     finally:
         for p in procs:
             p.kill()
-    assert procs[0].returncode == 2 and "comm.init_timeout_seconds = 10 s while starting" in good, good[-3000:]
+    assert procs[0].returncode == 2 and f"comm.init_timeout_seconds = {init_timeout} s while starting" in good, good[-3000:]
     assert procs[1].returncode == 2, hung[-3000:]
     assert f"error: node 1: the rendezvous at 127.0.0.1:{port} succeeded, but no worker of this node got ready" in hung
     assert "never started" not in hung and "Traceback" not in hung, hung[-3000:]

@@ -6,13 +6,14 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
 
 - exact resume: FSDP 2 + EP 2 (data-parallel 2) for 10 steps straight vs a new Trainer resuming
   from the step-5 checkpoint for 5 more steps: bit-identical losses. Process start-up dominates
-  on a 2-core CI machine, so all two-process runs share one torchrun launch (this module run as
-  ``python -m``, like tests/distributed/parity_worker.py); each resumed Trainer is built from
-  scratch and gets model, optimizer, schedule, data position and RNG from the checkpoint alone.
-  A real process kill is tested single-process in test_resume.py. Every run keeps the parameter
-  EMA (``[ema]``, trainer/optim/ema.py): each rank averages its own FSDP / EP shards, and the resumed
-  run's average at step 10 is bit-identical to the straight run's (both read from their step-10
-  checkpoints, resharded to whole tensors by DCP).
+  on a 2-core CI machine, so all two-process runs share one launch of two gloo ranks
+  (`spawn_local`, with the env:// variables torchrun would set, and no torchrun process to start);
+  each resumed Trainer is built from scratch and gets model, optimizer, schedule, data position
+  and RNG from the checkpoint alone. A real process kill is tested single-process in
+  test_resume.py. Every run keeps the parameter EMA (``[ema]``, trainer/optim/ema.py): each
+  rank averages its own FSDP / EP shards, and the resumed run's average at step 10 is
+  bit-identical to the straight run's (both read from their step-10 checkpoints, resharded to
+  whole tensors by DCP).
 - reshard: the layouts must read the same tokens per step to compare losses, so the two-process
   side is FSDP 2 + EP 2 as context parallel (``ep_as_cp``: data-parallel degree 1, the sequence
   split over the ep ranks; the same expert placements as FSDP 2 + EP 2). A single-process
@@ -25,15 +26,13 @@ so DCP writes and reshards global expert tensors and their AdamW moments like an
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.checkpoint import list_checkpoints, read_model_state_dict
-from trainer.diagnostics import free_port
+from trainer.diagnostics import spawn_local
 from trainer.train import main
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -73,16 +72,19 @@ def assert_close(got: dict[int, float], want: dict[int, float], steps: range) ->
         assert abs(got[step] - want[step]) <= REL * abs(want[step]), (step, got[step], want[step])
 
 
-def _two_process_runs(tmp: Path) -> None:
-    """Rank body under torchrun: the three two-process runs, one Trainer after the other."""
-    import torch
+def _two_process_runs(rank: int, world: int, port: int, tmp: Path, queue) -> None:
+    """Rank body (`spawn_local`): the three two-process runs, one Trainer after the other."""
     import torch.distributed as dist
 
     from trainer.config import load_config
     from trainer.distributed import destroy_distributed
     from trainer.trainer import Trainer
 
-    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled",
+    )
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in a launch
 
     def train(run_dir: Path, *extra: str) -> None:
         trainer = Trainer(load_config([*ARGS, "--job.dump_folder", str(run_dir), *extra]))
@@ -102,6 +104,7 @@ def _two_process_runs(tmp: Path) -> None:
     copy_then_train(tmp / "resumed", tmp / "straight" / "checkpoint" / f"step-{STEPS // 2}", *FSDP_EP)
     copy_then_train(tmp / "two", tmp / "single" / "checkpoint" / "step-5", *FSDP_EP_AS_CP, "--training.steps", "8")
     destroy_distributed()
+    queue.put(rank)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +112,7 @@ def runs(tmp_path_factory) -> Path:
     """Single-process 10 steps (in this process), then the one two-process launch."""
     tmp = tmp_path_factory.mktemp("resume_fsdp")
     assert main([*ARGS, "--job.dump_folder", str(tmp / "single")]) == 0
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), "-m", "tests.e2e.test_resume_fsdp", str(tmp)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(spawn_local(_two_process_runs, 2, tmp, timeout=900)) == [0, 1]
     return tmp
 
 
@@ -153,7 +149,3 @@ def test_reshard_between_one_process_and_fsdp2_ep2(runs, tmp_path):
     log = (back / "train.log").read_text()
     assert "resumed from" in log and "restart from the seed" not in log and "not restored" not in log
     assert_close(losses(back), single, range(9, STEPS + 1))
-
-
-if __name__ == "__main__":
-    _two_process_runs(Path(sys.argv[1]))
