@@ -68,22 +68,30 @@ def _stats(model: DeepSeekV3Model) -> list[torch.Tensor]:
 HEAVY_PARTS = tuple(part for part in RECOMPUTE_MODULES if part not in ("layernorm", "moe_act"))
 
 
-@pytest.mark.parametrize("mode, parts", [("full", ()), ("op", ()), ("modules", ("deepseek",)), ("modules", HEAVY_PARTS)])
-def test_a_recomputation_records_nothing_and_changes_no_gradient(mode, parts):
-    reference, checkpointed = _model("none"), _model(mode, parts)
+@pytest.fixture(scope="module")
+def reference_backward():
+    """The model without checkpointing after `_split_backward`, once for every mode compared with
+    it: its forward statistics, MoE token counts and gradients by name."""
+    reference = _model("none")
     _split_backward(reference)
+    counts = [m.tokens_per_expert.sum().item() for m in reference.modules() if isinstance(m, MoE)]
+    return _stats(reference), counts, {n: p.grad for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("mode, parts", [("full", ()), ("op", ()), ("modules", ("deepseek",)), ("modules", HEAVY_PARTS)])
+def test_a_recomputation_records_nothing_and_changes_no_gradient(mode, parts, reference_backward):
+    want, counts, reference_grads = reference_backward
+    checkpointed = _model(mode, parts)
     _split_backward(checkpointed)
-    want = _stats(reference)
     # Counts of 32 tokens x top-k in each of the 3 MoE blocks, Engram's gate sums over 32 tokens,
     # and a max logit of every head of the 4 attention layers.
     assert sorted(t.numel() for t in want) == sorted([ARGS.n_heads] * 4 + [3] + [ARGS.moe.num_experts] * 3)
-    assert [m.tokens_per_expert.sum().item() for m in reference.modules() if isinstance(m, MoE)] == [
-        32 * ARGS.moe.top_k] * 3
+    assert counts == [32 * ARGS.moe.top_k] * 3
     for got, expected in zip(_stats(checkpointed), want, strict=True):
         assert torch.equal(got, expected)
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in checkpointed.named_parameters()}
-    for name, p in reference.named_parameters():
-        assert (grads[name] is None) == (p.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(grads[name], p.grad), name
+    for name, grad in reference_grads.items():
+        assert (grads[name] is None) == (grad is None), name
+        if grad is not None:
+            assert torch.equal(grads[name], grad), name
 

@@ -198,6 +198,21 @@ def _saved_two_steps(tmp_path):
     return a, {k: v.clone() for k, v in a.model.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def two_steps_run(tmp_path_factory):
+    """`_saved_two_steps` once for the tests that only read what it saved: its folder and weights."""
+    folder = tmp_path_factory.mktemp("two_steps")
+    _, reference = _saved_two_steps(folder)
+    return folder, reference
+
+
+def _copy_of(run, tmp_path):
+    """`two_steps_run`'s files copied into `tmp_path` (each test damages its own copy); its weights."""
+    folder, reference = run
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    return reference
+
+
 def test_partial_and_corrupt_checkpoints_fall_back(tmp_path, caplog):
     # A Trainer built earlier in this process stops the run logger from propagating to the root.
     a, reference = _saved_two_steps(tmp_path)
@@ -289,8 +304,8 @@ DAMAGED_MARKERS = {
 
 
 @pytest.mark.parametrize("damage", DAMAGED_MARKERS)
-def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, damage):
-    _, reference = _saved_two_steps(tmp_path)
+def test_damaged_marker_is_reported_by_name_and_skipped(tmp_path, caplog, damage, two_steps_run):
+    reference = _copy_of(two_steps_run, tmp_path)
     folder = tmp_path / "checkpoint"
     # A damaged newer checkpoint: step-2's files (intact) under step-9, whose marker is damaged.
     shutil.copytree(folder / "step-2", folder / "step-9")
@@ -343,10 +358,10 @@ def _refused(tmp_path, folder, match: str, model_only: bool = True) -> None:
             load()
 
 
-def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path):
+def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path, two_steps_run):
     """`.metadata` replaced by a pickle that touches a file and then returns the real metadata,
     the marker's checksums updated to match: no load runs it, none falls back past it."""
-    _saved_two_steps(tmp_path)
+    _copy_of(two_steps_run, tmp_path)
     folder = tmp_path / "checkpoint" / "step-2"
     sentinel = tmp_path / "ran"
     tamper_metadata(folder, sentinel)
@@ -360,10 +375,10 @@ def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("as_torch_save", [True, False], ids=["torch.save", "bare pickle"])
-def test_tampered_entry_is_refused_and_runs_nothing(tmp_path, as_torch_save):
+def test_tampered_entry_is_refused_and_runs_nothing(tmp_path, as_torch_save, two_steps_run):
     """A non-tensor entry (the train state's step) replaced by a pickle that touches a file and then
     gives the saved value, `.metadata` and the marker updated to match: a resume refuses it by name."""
-    _saved_two_steps(tmp_path)
+    _copy_of(two_steps_run, tmp_path)
     folder = tmp_path / "checkpoint" / "step-2"
     sentinel = tmp_path / "ran"
     shard = tamper_entry(folder, "train_state.step", sentinel, as_torch_save)

@@ -275,8 +275,8 @@ def test_moe_overlap_credit_only_under_dualpipev(figures_671b):
     assert overlapped_pairs(flat.pipeline) == 0 and times(replace(flat, moe_overlap=True)) == times(flat)
 
 
-def test_two_worker_processes_rank_exactly_as_one():
+def test_two_worker_processes_rank_exactly_as_one(debug_plan):
     """``workers`` splits the groups over processes: the same ranking, ties in the same order."""
-    one = plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware())
+    one = debug_plan  # the same arguments in one process
     two = plan_layouts("debugmodel", 4, 80.0, 8, 32, 8, Hardware(), workers=2)
     assert one == two and one[0]
