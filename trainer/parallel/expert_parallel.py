@@ -19,6 +19,11 @@ Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py
   combine: the inverse permutation, the reverse all_to_all, then the unsort and the
   gate-weighted K-sum. Both permutations are the gathers of ``models/moe/permutation.py``
   shared with ``LocalTokenDispatcher`` (no atomic scatter in forward or backward).
+Each direction is the contract's three phases around the exchange (``dispatch_preprocess``,
+``token_dispatch``, ``dispatch_postprocess``; ``combine_preprocess``, ``token_combine``,
+``combine_postprocess``): ``dispatch`` and ``combine`` compose them, and the overlapped schedule
+(trainer/parallel/moe_overlap.py) calls them as nodes, running the exchanges (``start_exchange``)
+itself.
 """
 
 from __future__ import annotations

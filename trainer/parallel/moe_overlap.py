@@ -4,14 +4,17 @@ single-threaded).
 
 Each MoE block of a micro-batch runs as five schedule nodes, each with detached inputs; a node's
 backward runs autograd from its outputs with the gradients it is given and hands back its inputs'
-gradients:
+gradients. Each node calls the block's phases (models/moe/moe.py, models/moe/dispatcher.py, the
+block's in models/deepseek_v3/model.py), the ones ``TransformerBlock.forward`` and ``MoE.forward``
+compose:
 
-    attention   attention, router, the exchange plan (the counts' all-to-all and the layer's one
-                host read of the split sizes), the send permutation, shared experts, balance loss
+    attention   the block's ``attention_part``, ``MoE.route``, ``dispatch_preprocess`` (the
+                exchange plan: the counts' all-to-all and the layer's one host read of the split
+                sizes; the send permutation), ``MoE.shared``, ``MoE.balance_loss``
     dispatch    the token all-to-all (backward: the inverse all-to-all of the gradient)
-    experts     the received rows' permutation, the routed experts, the permutation back
+    experts     ``dispatch_postprocess``, the routed experts, ``combine_preprocess``
     combine     the all-to-all back (backward: the inverse all-to-all of the gradient)
-    post        the unsort, the gate-weighted sum, the shared experts' sum and the residual
+    post        ``combine_postprocess``, ``MoE.output`` and the block's ``tail``
 
 The exchanges are asynchronous (``AllToAllTokenDispatcher.start_exchange``) and waited for by the
 node that consumes them, in forward and in backward. ``pair`` runs micro-batch i's backward and
@@ -29,11 +32,13 @@ another's backward (trainer/parallel/pipeline_overlap.py, ``StageNodes``), where
 may hold different numbers of MoE blocks: ``pair`` interleaves their common number and runs the
 longer one's rest alone.
 
-The embedding, the dense blocks and the head (with MTP, whose MoE exchanges synchronously) run
-outside the interleave. The model stays single-device: the nodes call the block's own modules
-(``attn_norm``, ``attn``, ``ffn_norm`` and the MoE's ``gate``, ``experts``, ``shared_experts``)
-and its dispatcher, as ``TransformerBlock.forward`` and ``MoE.forward`` do, in the same order of
-operations, so every micro-batch's values and gradients are bitwise those of the plain step.
+The rest of a micro-batch's forward runs outside the interleave, as two nodes of the forward plan
+(``ForwardPlan``, models/deepseek_v3/model.py) that the model and a pipeline stage each give once:
+its pre part with the dense blocks, and its head (with MTP, whose MoE exchanges synchronously). The
+model stays single-device and the math is written once: the nodes call the model's phases (the
+attention node takes the shared experts and the balance loss, which depend only on the routing) and
+run only the exchanges themselves, so every micro-batch's values and gradients are bitwise those of
+the plain step.
 
 Collective order: every rank runs this same fixed schedule (no branch on data or timing), and
 the schedule keeps **one exchange in flight at a time** on the ep group (``ExchangeLane``): a new

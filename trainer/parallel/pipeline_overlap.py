@@ -1,7 +1,8 @@
 """DualPipeV's ``OVERLAP_F_B`` with the MoE all-to-all hidden (``[parallelism] moe_overlap`` under
 ``pp_schedule = "DualPipeV"``): the forward of one (stage, micro-batch) runs beside the full
 backward of another, MoE node by MoE node, with the node code of the step without PP
-(trainer/parallel/moe_overlap.py: ``MoELayerNodes``, ``pair``, ``ExchangeLane``).
+(trainer/parallel/moe_overlap.py: ``NodeRun``, ``pair``, ``ExchangeLane``) over the stage's forward
+plan (``StageModule.forward_plan``, trainer/parallel/pipeline.py).
 
 torch's runtime runs an ``OVERLAP_F_B`` action's two halves one after the other unless a function
 is registered for it (``register_custom_function``). The interleave needs both micro-batches in
