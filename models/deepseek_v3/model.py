@@ -179,15 +179,8 @@ class DeepSeekV3Model(nn.Module):
         """
         return self.forward_plan(tokens, labels, positions, attn_mask, engram_ids).run()
 
-    def forward_plan(
-        self,
-        tokens: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        attn_mask=None,
-        engram_ids: torch.Tensor | None = None,
-    ) -> "ForwardPlan":
-        """`forward`'s plan (pre, blocks, head) for these inputs (`forward`'s arguments)."""
+    def forward_plan(self, tokens, labels=None, positions=None, attn_mask=None, engram_ids=None) -> "ForwardPlan":
+        """`forward`'s plan (pre, blocks, head) for `forward`'s arguments."""
         return _ModelPlan(self, tokens, labels, positions, attn_mask, engram_ids)
 
     # The pieces of `forward` that its plans (this model's, a pipeline stage's in
