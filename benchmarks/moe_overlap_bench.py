@@ -145,11 +145,11 @@ def _traced_step(trainer, batches, rec: DelayRecorder, path: str) -> tuple[float
     (perf_counter): written as a Chrome trace (chrome://tracing, Perfetto) to ``path``. Returns the
     time (ms) the delays intersect the nodes' compute (their spans less their waits), and each
     node kind's mean compute (ms, its span less its waits)."""
-    from trainer.parallel import moe_overlap, pipeline_overlap
+    from trainer.parallel import moe_overlap
 
     nodes: list = []
     patched = {}
-    for cls in (moe_overlap.MoELayerNodes, moe_overlap.MicroBatchNodes, pipeline_overlap.StageNodes):
+    for cls in (moe_overlap.MoELayerNodes, moe_overlap.NodeRun):  # NodeRun: the pre and head nodes
         for name in ("attention", "experts", "post", "experts_backward", "attention_backward", "post_backward",
                      "forward_pre", "forward_head", "backward_head", "backward_pre"):
             if name in vars(cls):

@@ -78,15 +78,32 @@ class TransformerBlock(nn.Module):
         self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask, engram_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: `[B, S, dim]`; engram_rows: `[B, S, H, D_h]` table rows (Engram blocks only).
-        Returns (`[B, S, dim]`, 0-dim fp32 aux loss; zero for dense blocks)."""
+        Returns (`[B, S, dim]`, 0-dim fp32 aux loss; zero for dense blocks).
+
+        The composition of the block's phases: `attention_part`, the FFN (an `MoE`'s own phases,
+        models/moe/moe.py), `tail`. The overlapped schedule (trainer/parallel/moe_overlap.py)
+        calls the same phases node by node."""
+        h, ffn_in = self.attention_part(x, freqs_cis, attn_mask, engram_rows)
+        if self.moe_enabled:
+            ffn_out, aux_loss = self.ffn(ffn_in)
+        else:
+            ffn_out, aux_loss = self.ffn(ffn_in), h.new_zeros((), dtype=torch.float32)
+        return self.tail(h, ffn_out), aux_loss
+
+    def attention_part(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask, engram_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the FFN: (`h`, the residual stream after the attention; `ffn_in`,
+        the FFN's input `ffn_norm(h)`), both `[B, S, dim]`."""
         if self.engram is not None:
             x = x + self.engram(x, engram_rows)
-        x = x + self.attn(self.attn_norm(x), freqs_cis, attn_mask)
-        if self.moe_enabled:
-            ffn_out, aux_loss = self.ffn(self.ffn_norm(x))
-        else:
-            ffn_out, aux_loss = self.ffn(self.ffn_norm(x)), x.new_zeros((), dtype=torch.float32)
-        return x + ffn_out, aux_loss
+        h = x + self.attn(self.attn_norm(x), freqs_cis, attn_mask)
+        return h, self.ffn_norm(h)
+
+    @staticmethod
+    def tail(h: torch.Tensor, ffn_out: torch.Tensor) -> torch.Tensor:
+        """The block's output: the FFN's output added to the residual stream `h`."""
+        return h + ffn_out
 
     def init_weights(self) -> None:
         self.attn_norm.reset_parameters()
@@ -160,13 +177,15 @@ class DeepSeekV3Model(nn.Module):
         model has Engram layers.
         Returns a `ModelOutput`. MTP runs only in training mode and when labels are given.
         """
-        freqs_cis, attn_mask = self.rope_and_mask(tokens, positions, attn_mask)
-        h, aux_loss = self.forward_blocks(self.embed(tokens), freqs_cis, attn_mask, tokens, engram_ids)
-        logits, mtp_logits, mtp_aux = self.forward_head(h, labels, freqs_cis, attn_mask)
-        return ModelOutput(logits, mtp_logits, aux_loss + mtp_aux)
+        return self.forward_plan(tokens, labels, positions, attn_mask, engram_ids).run()
 
-    # The pieces of `forward`, which a pipeline stage (trainer/parallel/pipeline.py) runs on the
-    # modules it holds: the embedding, a run of blocks, the head with MTP.
+    def forward_plan(self, tokens, labels=None, positions=None, attn_mask=None, engram_ids=None) -> "ForwardPlan":
+        """`forward`'s plan (pre, blocks, head) for `forward`'s arguments."""
+        return _ModelPlan(self, tokens, labels, positions, attn_mask, engram_ids)
+
+    # The pieces of `forward` that its plans (this model's, a pipeline stage's in
+    # trainer/parallel/pipeline.py) run on the modules they hold: the rope rows and the mask, a run
+    # of blocks, the head with MTP.
     def rope_and_mask(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attn_mask=None):
         """(rope rows `[S, rope]` of the tokens' positions, the attention mask) as `forward` takes them."""
         seqlen = tokens.shape[1]
@@ -265,3 +284,80 @@ class DeepSeekV3Model(nn.Module):
         if self.mtp is not None:
             for module in self.mtp:
                 module.init_weights()
+
+
+class ForwardPlan:
+    """One forward of the model, or of a pipeline stage (trainer/parallel/pipeline.py), in its
+    three parts: `pre()` (the inputs to the first block's input), the `blocks` in order
+    (`run_blocks`), `head(h, aux, carried)` (the last block's output and the blocks' summed
+    balance losses to the outputs). `run()` is the forward; whatever runs it in pieces (the
+    overlapped schedule, trainer/parallel/moe_overlap.py) calls the same parts in the same order,
+    so the order is written once, by whoever gives the plan. One plan is one forward's inputs.
+
+    `pre` also sets `freqs_cis` and `attn_mask` (what every block takes beside its input) and
+    returns `(h, carried)`: `carried` are the tensors the head takes from before the blocks (the
+    model's embedded MTP inputs), which a caller running the head as a node of its own detaches.
+    Subclasses give `embed()` (pre's part after the rope rows and the mask) and `head`.
+    """
+
+    def __init__(
+        self,
+        model: DeepSeekV3Model,
+        blocks,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        attn_mask,
+        engram_ids: torch.Tensor | None,
+    ):
+        self.model = model
+        self.blocks = list(blocks)
+        self.tokens, self.positions, self.attn_mask, self.engram_ids = tokens, positions, attn_mask, engram_ids
+        self.freqs_cis = None
+
+    def pre(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self.freqs_cis, self.attn_mask = self.model.rope_and_mask(self.tokens, self.positions, self.attn_mask)
+        return self.embed()
+
+    def embed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def run_blocks(self, h: torch.Tensor, blocks=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`blocks` (default: the plan's; else a run of them, in order) on `h`: (their output,
+        their summed balance losses)."""
+        engram_ids = self.engram_ids
+        if blocks is None:
+            blocks = self.blocks
+        elif engram_ids is not None:  # slot i of engram_ids is the plan's i-th Engram block
+            engram = [block.layer_id for block in self.blocks if block.engram is not None]
+            engram_ids = engram_ids[:, :, [engram.index(b.layer_id) for b in blocks if b.engram is not None]]
+        return self.model.forward_blocks(h, self.freqs_cis, self.attn_mask, self.tokens, engram_ids, blocks)
+
+    def head(self, h: torch.Tensor, aux: torch.Tensor, carried: list[torch.Tensor]):
+        raise NotImplementedError
+
+    def run(self):
+        h, carried = self.pre()
+        h, aux = self.run_blocks(h)
+        return self.head(h, aux, carried)
+
+
+class _ModelPlan(ForwardPlan):
+    """`DeepSeekV3Model.forward`'s plan: the embedding, every block, the head with MTP."""
+
+    def __init__(self, model: DeepSeekV3Model, tokens, labels, positions, attn_mask, engram_ids):
+        super().__init__(model, model.layers.values(), tokens, positions, attn_mask, engram_ids)
+        self.labels = labels
+
+    def embed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = self.model
+        h = model.embed(self.tokens)
+        # MTP's inputs are embedded beside the tokens (carried to the head): a caller that runs the
+        # head as a node of its own then meets the embedding's uses in one backward, which sums
+        # their gradients as the whole forward's backward does (from two backward calls they would
+        # differ in the last bit).
+        depths = len(model.mtp) if model.mtp is not None and model.training and self.labels is not None else 0
+        return h, [model.mtp_embed(self.labels, depth) for depth in range(depths)]
+
+    def head(self, h: torch.Tensor, aux: torch.Tensor, carried: list[torch.Tensor]) -> ModelOutput:
+        logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.labels, self.freqs_cis, self.attn_mask, carried)
+        return ModelOutput(logits, mtp_logits, aux + mtp_aux)

@@ -4,7 +4,7 @@ from models.moe.args import MoEArgs
 from models.moe.balance import moe_modules, update_expert_bias
 from models.moe.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from models.moe.experts import GroupedExperts
-from models.moe.moe import MoE
+from models.moe.moe import MoE, Routing
 from models.moe.router import TokenChoiceTopKRouter
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "LocalTokenDispatcher",
     "MoE",
     "MoEArgs",
+    "Routing",
     "TokenChoiceTopKRouter",
     "TokenDispatcher",
     "moe_modules",

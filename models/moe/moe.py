@@ -1,4 +1,13 @@
-"""DeepSeek-V3 mixture-of-experts block: router, routed experts, shared experts."""
+"""DeepSeek-V3 mixture-of-experts block: router, routed experts, shared experts.
+
+The block's forward is written once, as phases that `MoE.forward` composes: `route` (router and
+routed-token counts), the dispatcher's `dispatch` (itself three phases around the token exchange,
+models/moe/dispatcher.py), the routed `experts`, `shared`, the dispatcher's `combine`, `output`
+and `balance_loss`. The overlapped schedule (trainer/parallel/moe_overlap.py) runs the same phases
+as separate nodes, with the exchanges of expert parallelism between them.
+"""
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -8,6 +17,16 @@ from models.moe.args import MoEArgs
 from models.moe.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from models.moe.experts import GroupedExperts
 from models.moe.router import TokenChoiceTopKRouter, count_tokens_per_expert
+
+
+class Routing(NamedTuple):
+    """The router's decision for one MoE input `[B, S, dim]` (`MoE.route`)."""
+
+    tokens: torch.Tensor  # [T = B * S, dim] the input's tokens
+    top_scores: torch.Tensor  # [T, K] fp32 gate values
+    selected_experts: torch.Tensor  # [T, K] int64 chosen experts
+    scores: torch.Tensor  # [T, E] fp32 router scores (the balance loss reads them)
+    shape: torch.Size  # the input's [B, S, dim]
 
 
 class MoE(nn.Module):
@@ -58,24 +77,38 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: x [B, S, dim]. Returns (out [B, S, dim], aux_loss: 0-dim fp32)."""
-        bsz, seqlen, dim = x.shape
-        tokens = x.reshape(-1, dim)  # [B * S, dim]
-        top_scores, selected_experts, scores = self.gate(tokens, self.expert_bias)
+        """Args: x [B, S, dim]. Returns (out [B, S, dim], aux_loss: 0-dim fp32).
 
-        self.count_routed(selected_experts)
+        The composition of the block's phases (`route`, the dispatcher's `dispatch`, the routed
+        `experts`, `shared`, the dispatcher's `combine`, `output`, `balance_loss`); the overlapped
+        schedule (trainer/parallel/moe_overlap.py) calls the same phases node by node."""
+        routing = self.route(x)
         routed_x, num_tokens_per_expert, ctx = self.dispatcher.dispatch(
-            tokens, selected_experts, top_scores
+            routing.tokens, routing.selected_experts, routing.top_scores
         )
         routed_out = self.experts(routed_x, num_tokens_per_expert)
         # Computed before combine() so an all-to-all dispatcher can overlap it with the exchange.
-        shared_out = self.shared_experts(tokens) if self.shared_experts is not None else None
-        out = self.dispatcher.combine(routed_out, ctx, tokens.shape)
-        if shared_out is not None:
-            out = out + shared_out
+        shared_out = self.shared(routing.tokens)
+        out = self.dispatcher.combine(routed_out, ctx, routing.tokens.shape)
+        return self.output(out, shared_out, x.shape), self.balance_loss(routing)
 
-        aux_loss = self._sequence_balance_loss(scores, selected_experts, bsz, seqlen)
-        return out.view(bsz, seqlen, dim), aux_loss
+    def route(self, x: torch.Tensor) -> Routing:
+        """The router on `x` [B, S, dim]'s tokens, counted in `tokens_per_expert` (training)."""
+        tokens = x.reshape(-1, x.shape[-1])  # [B * S, dim]
+        top_scores, selected_experts, scores = self.gate(tokens, self.expert_bias)
+        self.count_routed(selected_experts)
+        return Routing(tokens, top_scores, selected_experts, scores, x.shape)
+
+    def shared(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts on `tokens` [T, dim] (None without shared experts)."""
+        return self.shared_experts(tokens) if self.shared_experts is not None else None
+
+    def output(self, combined: torch.Tensor, shared_out: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+        """The block's output `[B, S, dim]` (`shape`): the combined routed experts' `[T, dim]`
+        plus the shared experts'."""
+        if shared_out is not None:
+            combined = combined + shared_out
+        return combined.view(shape)
 
     @torch.no_grad()
     def count_routed(self, selected_experts: torch.Tensor) -> None:
@@ -83,6 +116,11 @@ class MoE(nn.Module):
         in place so the buffer keeps its identity (and compile sees a mutation, not a rebinding)."""
         if self.training:
             self.tokens_per_expert.add_(count_tokens_per_expert(selected_experts.reshape(-1), self.num_experts))
+
+    def balance_loss(self, routing: Routing) -> torch.Tensor:
+        """The sequence-wise balance loss of `routing` (`_sequence_balance_loss`)."""
+        bsz, seqlen = routing.shape[0], routing.shape[1]
+        return self._sequence_balance_loss(routing.scores, routing.selected_experts, bsz, seqlen)
 
     def _sequence_balance_loss(
         self, scores: torch.Tensor, selected_experts: torch.Tensor, bsz: int, seqlen: int

@@ -92,7 +92,7 @@ def combination_problems(cfg: Any) -> list[str]:
 
 def _moe_overlap_problems(cfg: Any) -> list[str]:
     """What ``parallelism.moe_overlap`` (trainer/parallel/moe_overlap.py, with pipelining
-    pipeline_overlap.py) does not run: it calls each MoE block's modules node by node, outside a
+    pipeline_overlap.py) does not run: it calls each MoE block's phases node by node, outside a
     checkpointed or compiled block."""
     p = cfg.parallelism
     if not p.moe_overlap:

@@ -19,6 +19,11 @@ Exchange, per MoE forward (the dispatcher contract in ``models/moe/dispatcher.py
   combine: the inverse permutation, the reverse all_to_all, then the unsort and the
   gate-weighted K-sum. Both permutations are the gathers of ``models/moe/permutation.py``
   shared with ``LocalTokenDispatcher`` (no atomic scatter in forward or backward).
+Each direction is the contract's three phases around the exchange (``dispatch_preprocess``,
+``token_dispatch``, ``dispatch_postprocess``; ``combine_preprocess``, ``token_combine``,
+``combine_postprocess``): ``dispatch`` and ``combine`` compose them, and the overlapped schedule
+(trainer/parallel/moe_overlap.py) calls them as nodes, running the exchanges (``start_exchange``)
+itself.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from models.moe.dispatcher import TokenDispatcher
 from models.moe.experts import GroupedExperts
 from models.moe.permutation import (
     ExpertPermutation,
-    gate_weighted_sum,
     group_align,
     permute,
     sort_by_expert,
@@ -90,20 +94,18 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch(
         self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _A2AContext]:
-        ctx = self.route(selected_experts, top_scores, group_align(x))
-        recv_x = _Exchange.apply(permute(x, ctx.send), self, ctx.output_splits, ctx.input_splits)
-        routed_x = permute(recv_x, ctx.recv)
+        routed_x, num_tokens_per_expert, ctx = super().dispatch(x, selected_experts, top_scores)
         # The received row count depends on routing. Unbacked, it is one symbol for the compiled
         # experts whatever its value: a backed (dynamic) size would be specialised when it is 0
         # or 1, and a rank whose experts receive 0 or 1 rows would recompile the block.
         mark_unbacked(routed_x, 0)
-        return routed_x, ctx.recv.counts, ctx
+        return routed_x, num_tokens_per_expert, ctx
 
-    def route(self, selected_experts: torch.Tensor, top_scores: torch.Tensor, align: int) -> _A2AContext:
-        """Both permutations and the split sizes of one exchange (the counts' all-to-all and the
-        layer's one host read), before any row moves: the overlapped schedule
-        (trainer/parallel/moe_overlap.py) runs this in its attention node and the two exchanges
-        as nodes of their own."""
+    def dispatch_preprocess(
+        self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
+    ) -> tuple[torch.Tensor, _A2AContext]:
+        """The exchange's plan (both permutations and the split sizes: the counts' all-to-all and
+        the layer's one host read), before any row moves, and the rows in send order."""
         # Sorted by global expert, the send rows are rank-major (experts are contiguous per rank).
         send = sort_by_expert(selected_experts.reshape(-1), self.num_experts, selected_experts.shape[1])
         recv_counts = torch.empty_like(send.counts)
@@ -116,8 +118,21 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             recv_counts,
             output_size=sum(output_splits),
         )
-        recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=align)
-        return _A2AContext(send, recv, top_scores, input_splits, output_splits)
+        recv = sort_by_expert(local_expert_of_row, self.num_local_experts, align=group_align(x))
+        ctx = _A2AContext(send, recv, top_scores, input_splits, output_splits)
+        return permute(x, send), ctx
+
+    def token_dispatch(self, rows: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
+        return _Exchange.apply(rows, self, ctx.output_splits, ctx.input_splits)
+
+    def dispatch_postprocess(self, rows: torch.Tensor, ctx: _A2AContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return permute(rows, ctx.recv), ctx.recv.counts
+
+    def combine_preprocess(self, routed_out: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
+        return unpermute(routed_out, ctx.recv)
+
+    def token_combine(self, rows: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
+        return _Exchange.apply(rows, self, ctx.input_splits, ctx.output_splits)
 
     def start_exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> PendingExchange:
         """Sends ``rows`` (``input_splits`` to each ep rank) without waiting: the rows received
@@ -143,13 +158,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
 
     def combine(self, routed_out: torch.Tensor, ctx: _A2AContext, out_shape: torch.Size) -> torch.Tensor:
         # The unsort and gate weighting compile with the block; only the exchange is eager.
-        back = self.exchange_back(routed_out, ctx)
-        return gate_weighted_sum(unpermute(back, ctx.send), ctx.top_scores)
+        return self.combine_postprocess(self.exchange_back(routed_out, ctx), ctx, ctx.top_scores)
 
     @torch.compiler.disable
     def exchange_back(self, routed_out: torch.Tensor, ctx: _A2AContext) -> torch.Tensor:
-        """Expert outputs back to the ranks that sent the rows, in their send order."""
-        return _Exchange.apply(unpermute(routed_out, ctx.recv), self, ctx.input_splits, ctx.output_splits)
+        """Expert outputs back to the ranks that sent the rows, in their send order (the receive
+        side's permutation reads ``ctx.recv``, whose shapes follow routing: eager too)."""
+        return self.token_combine(self.combine_preprocess(routed_out, ctx), ctx)
 
 
 class PendingExchange:
@@ -231,4 +246,3 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[MoE]:
         module.dispatcher = dispatcher
         changed.append(module)
     return changed
-

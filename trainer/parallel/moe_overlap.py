@@ -4,14 +4,17 @@ single-threaded).
 
 Each MoE block of a micro-batch runs as five schedule nodes, each with detached inputs; a node's
 backward runs autograd from its outputs with the gradients it is given and hands back its inputs'
-gradients:
+gradients. Each node calls the block's phases (models/moe/moe.py, models/moe/dispatcher.py, the
+block's in models/deepseek_v3/model.py), the ones ``TransformerBlock.forward`` and ``MoE.forward``
+compose:
 
-    attention   attention, router, the exchange plan (the counts' all-to-all and the layer's one
-                host read of the split sizes), the send permutation, shared experts, balance loss
+    attention   the block's ``attention_part``, ``MoE.route``, ``dispatch_preprocess`` (the
+                exchange plan: the counts' all-to-all and the layer's one host read of the split
+                sizes; the send permutation), ``MoE.shared``, ``MoE.balance_loss``
     dispatch    the token all-to-all (backward: the inverse all-to-all of the gradient)
-    experts     the received rows' permutation, the routed experts, the permutation back
+    experts     ``dispatch_postprocess``, the routed experts, ``combine_preprocess``
     combine     the all-to-all back (backward: the inverse all-to-all of the gradient)
-    post        the unsort, the gate-weighted sum, the shared experts' sum and the residual
+    post        ``combine_postprocess``, ``MoE.output`` and the block's ``tail``
 
 The exchanges are asynchronous (``AllToAllTokenDispatcher.start_exchange``) and waited for by the
 node that consumes them, in forward and in backward. ``pair`` runs micro-batch i's backward and
@@ -29,11 +32,13 @@ another's backward (trainer/parallel/pipeline_overlap.py, ``StageNodes``), where
 may hold different numbers of MoE blocks: ``pair`` interleaves their common number and runs the
 longer one's rest alone.
 
-The embedding, the dense blocks and the head (with MTP, whose MoE exchanges synchronously) run
-outside the interleave. The model stays single-device: the nodes call the block's own modules
-(``attn_norm``, ``attn``, ``ffn_norm`` and the MoE's ``gate``, ``experts``, ``shared_experts``)
-and its dispatcher, as ``TransformerBlock.forward`` and ``MoE.forward`` do, in the same order of
-operations, so every micro-batch's values and gradients are bitwise those of the plain step.
+The rest of a micro-batch's forward runs outside the interleave, as two nodes of the forward plan
+(``ForwardPlan``, models/deepseek_v3/model.py) that the model and a pipeline stage each give once:
+its pre part with the dense blocks, and its head (with MTP, whose MoE exchanges synchronously). The
+model stays single-device and the math is written once: the nodes call the model's phases (the
+attention node takes the shared experts and the balance loss, which depend only on the routing) and
+run only the exchanges themselves, so every micro-batch's values and gradients are bitwise those of
+the plain step.
 
 Collective order: every rank runs this same fixed schedule (no branch on data or timing), and
 the schedule keeps **one exchange in flight at a time** on the ep group (``ExchangeLane``): a new
@@ -47,7 +52,6 @@ the cost of a second communicator per ep group and an order argument across two 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,8 +59,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.profiler import record_function
 
 from models.deepseek_v3 import ModelOutput
+from models.deepseek_v3.model import ForwardPlan
 from models.moe import MoE
-from models.moe.permutation import gate_weighted_sum, group_align, permute, unpermute
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher, PendingExchange
 from trainer.parallel.fsdp import ManualReduction, cast_forward_inputs, gathered_through_step
 from trainer.parallel.step import MicroBatch, ParallelStep
@@ -136,21 +140,19 @@ class MoELayerNodes:
         with record_function("moe_overlap.attention.forward"), self.autocast():
             self.x = detached_leaf(x)
             x, *rope = cast_forward_inputs(block, self.x, *self.rope)
-            h = x + block.attn(block.attn_norm(x), *rope)
-            ffn_in = block.ffn_norm(h)
-            self.shape = ffn_in.shape
-            tokens = ffn_in.reshape(-1, self.shape[-1])
-            top_scores, selected, scores = moe.gate(tokens, moe.expert_bias)
-            moe.count_routed(selected)
+            h, ffn_in = block.attention_part(x, *rope)
+            routing = moe.route(ffn_in)
+            self.shape = routing.shape
             # The shared experts stay after the permutation, where MoE.forward has them: run
             # before it (beside the exchange in flight) they change the order in which autograd
             # sums the tokens' gradients, and the result's last bits.
-            self.lane.drain()  # route's counts all-to-all shares the group with the exchanges
-            self.ctx = moe.dispatcher.route(selected, top_scores, group_align(tokens))
-            send_rows = permute(tokens, self.ctx.send)
-            shared = moe.shared_experts(tokens) if moe.shared_experts is not None else None
-            aux = moe._sequence_balance_loss(scores, selected, self.shape[0], self.shape[1])
-        self.attn_out = [h, send_rows, shared, top_scores, aux]
+            self.lane.drain()  # the plan's counts all-to-all shares the group with the exchanges
+            send_rows, self.ctx = moe.dispatcher.dispatch_preprocess(
+                routing.tokens, routing.selected_experts, routing.top_scores
+            )
+            shared = moe.shared(routing.tokens)
+            aux = moe.balance_loss(routing)
+        self.attn_out = [h, send_rows, shared, routing.top_scores, aux]
 
     def dispatch(self) -> None:
         ctx = self.ctx
@@ -161,10 +163,12 @@ class MoELayerNodes:
 
     def experts(self) -> None:
         recv_rows = self.dispatched.result()
+        dispatcher = self.moe.dispatcher
         with record_function("moe_overlap.experts.forward"), self.autocast():
             self.recv_rows = recv_rows.requires_grad_(self.sends_grad)
-            routed_out = self.moe.experts(permute(self.recv_rows, self.ctx.recv), self.ctx.recv.counts)
-            self.back_rows = unpermute(routed_out, self.ctx.recv)
+            routed_x, num_tokens_per_expert = dispatcher.dispatch_postprocess(self.recv_rows, self.ctx)
+            routed_out = self.moe.experts(routed_x, num_tokens_per_expert)
+            self.back_rows = dispatcher.combine_preprocess(routed_out, self.ctx)
         self.dispatched = None
 
     def combine(self) -> None:
@@ -177,16 +181,15 @@ class MoELayerNodes:
         """The block's output (the next node's input)."""
         h, _, shared, top_scores, _ = self.attn_out
         back = self.combined.result()
+        moe = self.moe
         with record_function("moe_overlap.post.forward"), self.autocast():
             self.post_in = (
                 back.requires_grad_(self.back_rows is not None),
                 detached_leaf(h), detached_leaf(shared), detached_leaf(top_scores),
             )
             back, h, shared, top_scores = self.post_in
-            out = gate_weighted_sum(unpermute(back, self.ctx.send), top_scores)
-            if shared is not None:
-                out = out + shared
-            self.y = h + out.view(self.shape)
+            out = moe.dispatcher.combine_postprocess(back, self.ctx, top_scores)
+            self.y = self.block.tail(h, moe.output(out, shared, self.shape))
         self.combined = None
         return self.y
 
@@ -236,33 +239,50 @@ def check_overlap_blocks(blocks: Sequence) -> None:
             raise ValueError("moe_overlap does not run Engram blocks; drop engram.enable or parallelism.moe_overlap")
 
 
-class NodeRun(ABC):
-    """One micro-batch through a run of blocks: a "pre" part (what comes before the MoE blocks: the
-    embedding, the dense blocks), the MoE blocks (``moe_blocks``) as ``MoELayerNodes`` and a "head"
-    part (what comes after them), each part with detached inputs. Subclasses give the two parts:
-    the whole model with its loss (``MicroBatchNodes``, the step without PP) or one pipeline stage
-    (trainer/parallel/pipeline_overlap.py)."""
+class NodeRun:
+    """One micro-batch through a forward plan (``ForwardPlan``, models/deepseek_v3/model.py, which
+    the model and a pipeline stage each give): the plan's pre part with the blocks before the first
+    MoE block as one node ("pre"), each MoE block (``moe_blocks``) as ``MoELayerNodes``, the plan's
+    head as one node, each with detached inputs. Subclasses say what the head's outputs become
+    (``finish_forward``): the whole model with its loss (``MicroBatchNodes``, the step without PP)
+    or one pipeline stage's outputs (trainer/parallel/pipeline_overlap.py, ``StageNodes``). The
+    head's backward starts from ``loss`` where set, else from ``out`` with ``output_grads``."""
 
-    lane: ExchangeLane
-    reduction: ManualReduction
-    moe_blocks: list
+    def __init__(self, plan: ForwardPlan, autocast: Callable, lane: ExchangeLane, reduction: ManualReduction):
+        self.plan, self.autocast, self.lane, self.reduction = plan, autocast, lane, reduction
+        first_moe = next(i for i, block in enumerate(plan.blocks) if block.moe_enabled)
+        self.dense, self.moe_blocks = plan.blocks[:first_moe], plan.blocks[first_moe:]
+        self.loss = self.out = self.output_grads = None
 
-    @abstractmethod
+    def finish_forward(self, out):
+        """What the head node's forward returns, from the plan's head outputs ``out`` (inside the
+        node, under its autocast)."""
+        raise NotImplementedError
+
+    def finish_backward(self) -> None:
+        """After the pre node's backward (the plan is then dropped)."""
+
+    # Forward.
     def forward_pre(self) -> None:
         """Sets ``h0`` (the first MoE block's input) and ``layers`` (the ``MoELayerNodes``)."""
+        with record_function("moe_overlap.pre.forward"), self.autocast():
+            h, self.carried = self.plan.pre()
+            self.h0, self.aux0 = self.plan.run_blocks(h, self.dense)
+        rope = (self.plan.freqs_cis, self.plan.attn_mask)
+        self.layers = [MoELayerNodes(block, rope, self.autocast, self.lane) for block in self.moe_blocks]
 
-    @abstractmethod
     def forward_head(self):
         """Runs after the last MoE block's ``post``; what it returns, ``pair`` returns."""
-
-    @abstractmethod
-    def backward_head(self) -> None:
-        """Sets ``grad`` (the last MoE block's output gradient) and ``aux_grads`` (each MoE
-        block's balance-loss gradient)."""
-
-    @abstractmethod
-    def backward_pre(self) -> None:
-        """The pre part's backward from ``grad`` (the first MoE block's input gradient)."""
+        self.lane.drain()  # MTP's MoE exchanges synchronously
+        with record_function("moe_overlap.head.forward"), self.autocast():
+            self.head_in = [detached_leaf(t) for t in (self.layers[-1].y, self.aux0, *self.carried)]
+            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
+            h, aux, *rest = self.head_in
+            carried, auxes = rest[: len(self.carried)], rest[len(self.carried) :]
+            # The balance losses summed in the order of the plan's run_blocks.
+            for layer_aux in auxes:
+                aux = aux + layer_aux
+            return self.finish_forward(self.plan.head(h, aux, carried))
 
     def forward_layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """MoE block ``index`` alone; its output."""
@@ -279,6 +299,27 @@ class NodeRun(ABC):
         for j in range(len(self.layers)):
             x = self.forward_layer(j, x)
         return self.forward_head()
+
+    # Backward.
+    def backward_head(self) -> None:
+        """Sets ``grad`` (the last MoE block's output gradient) and ``aux_grads`` (each MoE
+        block's balance-loss gradient)."""
+        self.lane.drain()  # MTP's MoE backward exchanges synchronously
+        with record_function("moe_overlap.head.backward"):
+            if self.loss is not None:  # the loss's own gradient, as torch's stage_backward takes it
+                grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
+            else:
+                grads = node_backward(self.out, self.output_grads, self.head_in)
+        depths = len(self.carried)
+        self.grad, self.carried_grads, self.aux_grads = grads[0], grads[2 : 2 + depths], grads[2 + depths :]
+        self.loss = self.out = self.output_grads = self.head_in = None
+
+    def backward_pre(self) -> None:
+        """The pre part's backward from ``grad`` (the first MoE block's input gradient)."""
+        with record_function("moe_overlap.pre.backward"):
+            node_backward([self.h0, *self.carried], [self.grad, *self.carried_grads], [])
+        self.finish_backward()
+        self.h0 = self.aux0 = self.grad = self.layers = self.carried = self.carried_grads = self.plan = None
 
     def backward_layer_end(self, layer: MoELayerNodes) -> None:
         """The block's input gradient; its FSDP unit's gradients are complete: reduced now."""
@@ -306,64 +347,19 @@ class NodeRun(ABC):
 
 
 class MicroBatchNodes(NodeRun):
-    """One micro-batch through the model: the embedding and dense blocks, the MoE blocks as
-    ``MoELayerNodes``, the head with the loss; ``objective`` and ``aux_scale`` as in
-    ``ParallelStep.forward_backward``."""
+    """One micro-batch through the model's plan, the head with the loss; ``objective`` and
+    ``aux_scale`` as in ``ParallelStep.forward_backward``."""
 
     def __init__(
         self, model, mb: MicroBatch, objective: Callable, aux_scale: float, autocast: Callable, lane, reduction
     ):
-        self.model, self.mb, self.objective, self.aux_scale = model, mb, objective, aux_scale
-        self.autocast, self.lane, self.reduction = autocast, lane, reduction
-        blocks = list(model.layers.values())
-        first_moe = next(i for i, block in enumerate(blocks) if block.moe_enabled)
-        self.dense = blocks[:first_moe]
-        self.moe_blocks = blocks[first_moe:]
+        super().__init__(model.forward_plan(mb.inputs, mb.labels, **mb.model_kwargs), autocast, lane, reduction)
+        self.targets, self.objective, self.aux_scale = mb.targets, objective, aux_scale
 
-    # Forward.
-    def forward_pre(self) -> None:
-        model, mb = self.model, self.mb
-        kwargs = mb.model_kwargs
-        with record_function("moe_overlap.pre.forward"), self.autocast():
-            self.rope = model.rope_and_mask(mb.inputs, kwargs.get("positions"), kwargs.get("attn_mask"))
-            self.h0, self.aux0 = model.forward_blocks(model.embed(mb.inputs), *self.rope, mb.inputs, None, self.dense)
-            # MTP's inputs are embedded here, beside the tokens: the embedding's two uses then meet
-            # in one backward (this node's), which sums their gradients as the plain step's does.
-            # Accumulated from two backward calls they differ in the last bit.
-            depths = len(model.mtp) if model.mtp is not None and model.training else 0
-            self.mtp_embeds = [model.mtp_embed(mb.labels, depth) for depth in range(depths)]
-        self.layers = [MoELayerNodes(block, self.rope, self.autocast, self.lane) for block in self.moe_blocks]
-
-    def forward_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish_forward(self, out: ModelOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss; returns its cross-entropy and MTP terms (detached)."""
-        self.lane.drain()  # MTP's MoE exchanges synchronously
-        with record_function("moe_overlap.head.forward"), self.autocast():
-            self.head_in = [detached_leaf(t) for t in (self.layers[-1].y, *self.mtp_embeds)]
-            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
-            h, *rest = self.head_in
-            mtp_embeds, auxes = rest[: len(self.mtp_embeds)], rest[len(self.mtp_embeds) :]
-            # The balance losses summed in the order of DeepSeekV3Model.forward_blocks.
-            aux = self.aux0
-            for layer_aux in auxes:
-                aux = aux + layer_aux
-            logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.mb.labels, *self.rope, mtp_embeds)
-            out = ModelOutput(logits, mtp_logits, aux + mtp_aux)
-            self.loss, ce, mtp = self.objective(out, self.mb.targets, self.aux_scale)
+        self.loss, ce, mtp = self.objective(out, self.targets, self.aux_scale)
         return ce.detach(), mtp.detach()
-
-    # Backward.
-    def backward_head(self) -> None:
-        self.lane.drain()  # MTP's MoE backward exchanges synchronously
-        with record_function("moe_overlap.head.backward"):
-            grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
-        depths = len(self.mtp_embeds)
-        self.grad, self.mtp_grads, self.aux_grads = grads[0], grads[1 : 1 + depths], grads[1 + depths :]
-        self.loss = self.head_in = None
-
-    def backward_pre(self) -> None:
-        with record_function("moe_overlap.pre.backward"):
-            node_backward([self.h0, *self.mtp_embeds], [self.grad, *self.mtp_grads], [])
-        self.h0 = self.aux0 = self.grad = self.layers = self.mtp_embeds = self.mtp_grads = None
 
 
 def pair(b: NodeRun, f: NodeRun):

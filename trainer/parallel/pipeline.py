@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
+from models.deepseek_v3.model import ForwardPlan
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config.pipeline_layout import (
     PipelineCosts,
@@ -100,18 +102,38 @@ class StageModule(nn.Module):
         self.engram_slots = [rank_engram.index(i) for i in spec.layers if i in rank_engram]
 
     def forward(self, *acts, tokens, labels=None, engram_ids=None, positions=None, attn_mask=None):
-        model = self._model[0]
+        return self.forward_plan(
+            *acts, tokens=tokens, labels=labels, engram_ids=engram_ids, positions=positions, attn_mask=attn_mask
+        ).run()
+
+    def forward_plan(self, *acts, tokens, labels=None, engram_ids=None, positions=None, attn_mask=None) -> ForwardPlan:
+        """`forward`'s plan (pre, blocks, head) for these inputs (`forward`'s arguments)."""
+        return _StagePlan(self, acts, tokens, labels, engram_ids, positions, attn_mask)
+
+
+class _StagePlan(ForwardPlan):
+    """`StageModule.forward`'s plan: the embedding (first stage) or the received ``(h, aux)``, the
+    stage's blocks, and the balance losses added to the received ones, with the head on the last
+    stage."""
+
+    def __init__(self, stage: StageModule, acts: tuple, tokens, labels, engram_ids, positions, attn_mask):
         if positions is not None:  # one row per micro-batch row (pipeline_step.py): all alike
             positions = positions[0]
-        freqs_cis, attn_mask = model.rope_and_mask(tokens, positions, attn_mask)
+        engram_ids = engram_ids[:, :, stage.engram_slots] if stage.engram_slots else None
+        super().__init__(stage._model[0], stage.blocks, tokens, positions, attn_mask, engram_ids)
+        self.spec, self.acts, self.labels = stage.spec, acts, labels
+        self.aux_in = None
+
+    def embed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.spec.first:
-            h, aux = model.embed(tokens), None
-        else:
-            h, aux = acts
-        engram_ids = engram_ids[:, :, self.engram_slots] if self.engram_slots else None
-        h, block_aux = model.forward_blocks(h, freqs_cis, attn_mask, tokens, engram_ids, self.blocks)
-        aux = block_aux if aux is None else aux + block_aux
+            return self.model.embed(self.tokens), []
+        h, self.aux_in = self.acts
+        return h, []
+
+    def head(self, h: torch.Tensor, aux: torch.Tensor, carried: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.aux_in is not None:
+            aux = self.aux_in + aux
         if not self.spec.last:
             return h, aux
-        logits, mtp_logits, mtp_aux = model.forward_head(h, labels, freqs_cis, attn_mask)
+        logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.labels, self.freqs_cis, self.attn_mask)
         return (logits, aux + mtp_aux, *mtp_logits)

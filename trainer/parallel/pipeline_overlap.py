@@ -1,7 +1,8 @@
 """DualPipeV's ``OVERLAP_F_B`` with the MoE all-to-all hidden (``[parallelism] moe_overlap`` under
 ``pp_schedule = "DualPipeV"``): the forward of one (stage, micro-batch) runs beside the full
 backward of another, MoE node by MoE node, with the node code of the step without PP
-(trainer/parallel/moe_overlap.py: ``MoELayerNodes``, ``pair``, ``ExchangeLane``).
+(trainer/parallel/moe_overlap.py: ``NodeRun``, ``pair``, ``ExchangeLane``) over the stage's forward
+plan (``StageModule.forward_plan``, trainer/parallel/pipeline.py).
 
 torch's runtime runs an ``OVERLAP_F_B`` action's two halves one after the other unless a function
 is registered for it (``register_custom_function``). The interleave needs both micro-batches in
@@ -44,7 +45,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
@@ -57,90 +57,35 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from trainer.parallel.fsdp import ManualReduction, finish_backward, lazy_init
-from trainer.parallel.moe_overlap import (
-    ExchangeLane,
-    MoELayerNodes,
-    NodeRun,
-    check_overlap_blocks,
-    detached_leaf,
-    node_backward,
-    pair,
-)
+from trainer.parallel.moe_overlap import ExchangeLane, NodeRun, check_overlap_blocks, pair
 from trainer.parallel.pipeline import StageModule
 from trainer.parallel.weight_pass import WeightPassRuntime, weight_pass
 
 
 class StageNodes(NodeRun):
-    """One micro-batch through one pipeline stage (``StageModule.forward`` in nodes): the pre part
-    embeds (first stage) and runs the dense blocks, the head part sums the balance losses and
-    gives the stage's outputs, ``(h, aux)`` or on the last stage ``(logits, aux, *mtp_logits)``.
+    """One micro-batch through one pipeline stage's plan (``StageModule.forward_plan``): the head's
+    outputs are the stage's, ``(h, aux)`` or on the last stage ``(logits, aux, *mtp_logits)``.
 
     ``acts``: the stage's received inputs ``(h, aux)`` (autograd leaves), or the first stage's
     tokens; ``kwargs``: the stage's keyword inputs for this micro-batch. Before ``backward_head``
-    the caller sets ``loss`` (last stage) or ``output_grads``."""
+    the caller sets ``loss`` (last stage) or ``output_grads``; after ``backward_pre``,
+    ``input_grads`` are the received inputs' gradients."""
 
     def __init__(self, module: StageModule, acts: tuple, kwargs: dict, lane: ExchangeLane):
-        self.module, self.acts, self.kwargs, self.lane = module, acts, kwargs, lane
-        self.model = module._model[0]
-        blocks = list(module.blocks)
-        first_moe = next(i for i, block in enumerate(blocks) if block.moe_enabled)
-        self.dense, self.moe_blocks = blocks[:first_moe], blocks[first_moe:]
-        self.reduction = ManualReduction(None)  # REDUCE_GRAD reduces, once per step
-        self.loss = self.output_grads = None
+        # REDUCE_GRAD reduces, once per step.
+        super().__init__(module.forward_plan(*acts, **kwargs), nullcontext, lane, ManualReduction(None))
+        self.acts = acts
 
-    # Forward.
-    def forward_pre(self) -> None:
-        model, spec, kwargs = self.model, self.module.spec, self.kwargs
-        tokens, positions = kwargs["tokens"], kwargs.get("positions")
-        if positions is not None:  # one row per micro-batch row (pipeline_step.py): all alike
-            positions = positions[0]
-        with record_function("moe_overlap.pre.forward"):
-            self.rope = model.rope_and_mask(tokens, positions, kwargs.get("attn_mask"))
-            if spec.first:
-                h, self.aux_in = model.embed(tokens), None
-            else:
-                h, self.aux_in = self.acts
-            self.h0, self.aux0 = model.forward_blocks(h, *self.rope, tokens, None, self.dense)
-        self.layers = [MoELayerNodes(block, self.rope, nullcontext, self.lane) for block in self.moe_blocks]
+    def finish_forward(self, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        self.out = out
+        return out
 
-    def forward_head(self) -> tuple[torch.Tensor, ...]:
-        """The stage's outputs."""
-        self.lane.drain()  # MTP's MoE exchanges synchronously
-        with record_function("moe_overlap.head.forward"):
-            self.head_in = [detached_leaf(self.layers[-1].y), detached_leaf(self.aux0)]
-            self.head_in += [detached_leaf(layer.attn_out[4]) for layer in self.layers]
-            h, aux, *auxes = self.head_in
-            # The balance losses summed as StageModule.forward (DeepSeekV3Model.forward_blocks) sums them.
-            for layer_aux in auxes:
-                aux = aux + layer_aux
-            if self.aux_in is not None:
-                aux = self.aux_in + aux
-            if not self.module.spec.last:
-                self.out = (h, aux)
-            else:
-                logits, mtp_logits, mtp_aux = self.model.forward_head(h, self.kwargs.get("labels"), *self.rope)
-                self.out = (logits, aux + mtp_aux, *mtp_logits)
-        return self.out
-
-    # Backward.
-    def backward_head(self) -> None:
-        self.lane.drain()  # MTP's MoE backward exchanges synchronously
-        with record_function("moe_overlap.head.backward"):
-            if self.module.spec.last:  # the loss's own gradient, as torch's stage_backward takes it
-                grads = node_backward([self.loss], [torch.ones_like(self.loss)], self.head_in)
-            else:
-                grads = node_backward(self.out, self.output_grads, self.head_in)
-        self.grad, self.aux_grads = grads[0], grads[2:]
-        self.out = self.loss = self.output_grads = self.head_in = None
-
-    def backward_pre(self) -> None:
-        with record_function("moe_overlap.pre.backward"):
-            node_backward([self.h0], [self.grad], [])
+    def finish_backward(self) -> None:
         # The received inputs' gradients, taken off them as torch's stage_backward does.
         self.input_grads = tuple(t.grad for t in self.acts)
         for t in self.acts:
             t.grad = None
-        self.h0 = self.aux0 = self.grad = self.layers = self.acts = None
+        self.acts = None
 
 
 class OverlapRuntime(WeightPassRuntime):
