@@ -412,11 +412,20 @@ def _estimate_share(
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
     }
-    g = result["gib"]
+    result["gib"]["total"] = _total(result["gib"], pipelined, unsharded_stages, forwards_first, grads_act / GiB)
+    return result
+
+
+def _total(g: dict[str, float], pipelined: bool, unsharded_stages: bool, forwards_first: bool, grads_act_gib: float) -> float:
+    """A rank's peak GiB from its terms ``g`` (``_estimate_share``): what it holds through the step,
+    the CUDA terms, and the largest of its moments (module docstring): the gradients, the forward,
+    the late backward and, for a rank that runs its forwards first, the moment before its first
+    backward (``grads_act_gib``: its activations once the first backward has freed one micro-batch).
+    ``unsharded_stages``: pipeline stages under FSDP, unsharded through the step."""
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
     held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
     held += g["pipeline_buffers"]
-    if pipelined and stage_params:
+    if pipelined and unsharded_stages:
         # A stage's backward (its embedding / head gradient temporaries) runs while the other
         # in-flight micro-batches' activations are held: the two add up (the dry run's peak). The
         # stages stay unsharded through their backwards, so no block is gathered or reduced then:
@@ -429,7 +438,7 @@ def _estimate_share(
             # has freed a micro-batch's activations (`grads_act`) by the time they are whole.
             stage = g["stage_unsharded_params"] + g["stage_grad_accumulators"]
             before = g["before_first_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
-            after = forward - g["layers"] + grads_act / GiB + g["attention_mask"]
+            after = forward - g["layers"] + grads_act_gib + g["attention_mask"]
             held -= stage
             peak = max(before, stage + max(g["grads"] + g["fsdp_unsharded_block"], after, late))
     elif pipelined:
@@ -437,8 +446,7 @@ def _estimate_share(
     else:
         late = g["grads"] + g["late_backward"] + g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["attention_mask"]
         peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"], late)
-    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + peak
-    return result
+    return held + g["allocator_rounding"] + g["cublas_workspace"] + peak
 
 
 class _RankStates(NamedTuple):
