@@ -35,7 +35,7 @@ from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.config.schedules import SCHEDULES
-from trainer.memory import estimate
+from trainer.memory import EstimateCache, estimate
 from trainer.progress import Progress, phase
 from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
@@ -111,27 +111,36 @@ def _batch_shapes(base: Plan, layout: Layout, shape) -> Iterator[Plan]:
                      dataclasses.replace(base, ac="full")]
     # moe_overlap's refusals (trainer/config/combinations.py) but for the schedule and AC, below.
     overlap = base.ep > 1 and base.tp == 1 and base.cp == 1 and not base.ep_as_cp
+    pipelines = list(_pipelines(layout, local, shape)) if pp > 1 else []
     for checkpointed in checkpointing:
         if pp == 1:
             for rows in (1, 2, 4, 8):
                 if local % rows == 0:
                     yield dataclasses.replace(checkpointed, local_batch_size=rows, accumulation=local // rows)
             continue
-        # Each schedule's planned stages per rank (trainer/config/schedules.py; none for GPipe and
-        # LoopedBFS, dominated by 1F1B's memory and Interleaved1F1B's bubble).
-        for schedule, per_rank in [(s.name, v) for s in SCHEDULES for v in s.planned_stages_per_rank]:
-            for fill in (1, 2, 4):
-                pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank,
-                                        pp_microbatches=pp * per_rank * fill)
-                if local % pipeline.pp_microbatches or pipeline.problems():
-                    continue
-                try:
-                    dataclasses.replace(layout, pipeline=pipeline).check_stages(shape.n_layers, shape.mtp_depth)
-                except ConfigError:
-                    continue
-                yield dataclasses.replace(checkpointed, pipeline=pipeline)
-                if overlap and checkpointed.ac == "none" and pipeline.facts.moe_overlap:
-                    yield dataclasses.replace(checkpointed, pipeline=pipeline, moe_overlap=True)
+        for pipeline in pipelines:
+            yield dataclasses.replace(checkpointed, pipeline=pipeline)
+            if overlap and checkpointed.ac == "none" and pipeline.facts.moe_overlap:
+                yield dataclasses.replace(checkpointed, pipeline=pipeline, moe_overlap=True)
+
+
+def _pipelines(layout: Layout, local: int, shape) -> Iterator[PipelinePlan]:
+    """The pipelines of one set of degrees (``layout``'s pp) that the checks accept for ``local``
+    sequences per data rank: each schedule's planned stages per rank (trainer/config/schedules.py;
+    none for GPipe and LoopedBFS, dominated by 1F1B's memory and Interleaved1F1B's bubble) with 1, 2
+    or 4 micro-batches per stage."""
+    pp = layout.pipeline.pp
+    for schedule, per_rank in [(s.name, v) for s in SCHEDULES for v in s.planned_stages_per_rank]:
+        for fill in (1, 2, 4):
+            pipeline = PipelinePlan(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank,
+                                    pp_microbatches=pp * per_rank * fill)
+            if local % pipeline.pp_microbatches or pipeline.problems():
+                continue
+            try:
+                dataclasses.replace(layout, pipeline=pipeline).check_stages(shape.n_layers, shape.mtp_depth)
+            except ConfigError:
+                continue
+            yield pipeline
 
 
 def _split_string(args, pipeline: PipelinePlan, costs: PipelineCosts) -> str:
@@ -150,7 +159,7 @@ def _states_gib(est: dict) -> float:
 
 def plan_layouts(
     flavor: str, gpus: int, gpu_memory_gib: float, gpus_per_node: int, seq_len: int, global_batch: int,
-    hardware: Hardware, prune: bool = True, workers: int = 1,
+    hardware: Hardware, prune: bool = True, workers: int = 1, memo: bool = True,
 ) -> tuple[list[Ranked], int]:
     """The layouts that fit, fastest first, and how many valid layouts were considered.
 
@@ -160,6 +169,9 @@ def plan_layouts(
     fullest rank's of one of them (``_states_gib``) bounds them all from below. Exact: the ranking
     is the unpruned one (tests/unit/test_layout_planner.py).
 
+    ``memo``: the estimates of a group share one ``EstimateCache`` (its ranks' states, block
+    figures and pipeline ranks computed once); the same figures as without (the tests compare).
+
     ``workers``: processes that estimate the groups (a group's layouts stay in one process, in
     order, so the pruning is the same); the result, ties included, does not depend on it."""
     args = get_flavor(flavor)
@@ -168,18 +180,21 @@ def plan_layouts(
     plans = list(candidates(flavor, gpus, gpus_per_node, seq_len, global_batch))
     groups: dict[tuple, list[tuple[int, Plan]]] = {}
     splits: dict[tuple, str] = {}
+    split_pipelines: dict[PipelinePlan, PipelinePlan] = {}  # each pipeline with its split, made once
     for index, plan in enumerate(plans):
         pipe = plan.pipeline
         if pipe.enabled:
-            key = (pipe.pp, pipe.pp_schedule, pipe.pp_stages_per_rank)
-            if key not in splits:
-                splits[key] = _split_string(args, pipe, costs)
-            plan = dataclasses.replace(plan, pipeline=dataclasses.replace(pipe, pp_layout=splits[key]))
+            if pipe not in split_pipelines:
+                key = (pipe.pp, pipe.pp_schedule, pipe.pp_stages_per_rank)
+                if key not in splits:
+                    splits[key] = _split_string(args, pipe, costs)
+                split_pipelines[pipe] = dataclasses.replace(pipe, pp_layout=splits[key])
+            plan = dataclasses.replace(plan, pipeline=split_pipelines[pipe])
         group = (plan.dp_shard, plan.ep, plan.tp, plan.cp, plan.ep_as_cp, pipe.pp, pipe.pp_schedule,
                  pipe.pp_stages_per_rank)
         groups.setdefault(group, []).append((index, plan))
     job = functools.partial(
-        _fitting, flavor, seq_len, gpu_memory_gib, hardware, prune, args, costs, ModelFigures.of(args, seq_len)
+        _fitting, flavor, seq_len, gpu_memory_gib, hardware, prune, memo, args, costs, ModelFigures.of(args, seq_len)
     )
     progress = Progress("plan: layouts estimated", len(plans))
     found: list[tuple[int, Ranked]] = []
@@ -193,7 +208,7 @@ def plan_layouts(
     return [ranked for _, ranked in found], len(plans)
 
 
-def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardware, prune: bool, args,
+def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardware, prune: bool, memo: bool, args,
              costs: PipelineCosts, figures: ModelFigures,
              group: list[tuple[int, Plan]]) -> tuple[int, list[tuple[int, Ranked]]]:
     """The layouts of one group (``plan_layouts``) that fit, with their places in the enumeration;
@@ -201,6 +216,8 @@ def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardwar
     states = None  # the group's lower bound, from its first estimate
     fitting = []
     est = None
+    # The group's layouts repeat their ranks' states and block figures (trainer/memory.py).
+    cache = EstimateCache(args) if memo else None
     for index, plan in group:
         if prune and states is not None and states + RESERVE_GIB > gpu_memory_gib:
             break  # every later layout of the group is bounded alike
@@ -210,8 +227,8 @@ def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardwar
                 fitting.append((index, Ranked(plan, memory, step_time(args, plan, hardware, figures))))
             continue
         est = estimate(flavor, plan.dp_shard, plan.ep, plan.tp, plan.cp, seq_len, plan.local_batch_size, plan.ac,
-                       stage_costs=costs, pipeline=plan.pipeline, ep_as_cp=plan.ep_as_cp,
-                       recompute_modules=plan.recompute_modules)
+                       model_args=args, stage_costs=costs, pipeline=plan.pipeline, ep_as_cp=plan.ep_as_cp,
+                       recompute_modules=plan.recompute_modules, cache=cache)
         states = _states_gib(est) if states is None else states
         memory = est["gib"]["total"]
         if memory + RESERVE_GIB <= gpu_memory_gib:

@@ -76,6 +76,7 @@ import itertools
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -190,7 +191,7 @@ def estimate(
     mixed_precision: str = "bfloat16", model_args: DeepSeekV3ModelArgs | None = None, device_type: str = "cuda",
     block_causal_sdpa: bool = False, pipeline: PipelinePlan | None = None, optimizer: str = "AdamW",
     state_dtype: str = "float32", stage_costs: PipelineCosts | None = None, ep_as_cp: bool = False,
-    recompute_modules: tuple[str, ...] = ("deepseek",), selective_every: int = 2,
+    recompute_modules: tuple[str, ...] = ("deepseek",), selective_every: int = 2, cache: EstimateCache | None = None,
 ) -> dict:
     """Peak bytes per device (GiB, by term). ``model_args`` replaces the flavor's preset (e.g. the
     trainer's, with the tokenizer's vocabulary); ``device_type`` "cuda" adds the CUDA terms;
@@ -207,8 +208,11 @@ def estimate(
     estimates many layouts of one model; computing them builds the model on the meta device).
     ``ep_as_cp``: the ep ranks split each sequence as ``cp`` ranks would (``cp`` is then 1).
     ``recompute_modules``: the parts ``ac="modules"`` recomputes (names or sets, as the config);
-    ``selective_every``: ``ac="selective"`` checkpoints every N-th layer of each pipeline rank."""
+    ``selective_every``: ``ac="selective"`` checkpoints every N-th layer of each pipeline rank.
+    ``cache``: an ``EstimateCache`` of this model (``model_args``) that many estimates share."""
     a = model_args or get_flavor(flavor)
+    if cache is not None and cache.model_args is not a:
+        raise ValueError("estimate: the cache belongs to another model; pass the cache's model_args")
     plan = pipeline or PipelinePlan()
     pp = plan.pp
     fsdp = dp_shard * cp
@@ -223,15 +227,37 @@ def estimate(
               "mixed_precision": mixed_precision, "device_type": device_type}
     share = dict(fsdp=fsdp, ep=ep, tp=tp, cp=cp, seq_len=seq_len, ac=ac, mixed_precision=mixed_precision,
                  device_type=device_type, block_causal_sdpa=block_causal_sdpa, optimizer=optimizer,
-                 state_dtype=state_dtype, parts=recomputed_parts(ac, recompute_modules), selective_every=selective_every)
+                 state_dtype=state_dtype, parts=recomputed_parts(ac, recompute_modules), selective_every=selective_every,
+                 cache=cache)
     if pp == 1:
         result = _estimate_share(a, list(range(a.n_layers)), True, True, True, local_batch_size, 1, **share)
         return {"flavor": flavor, "layout": layout, **result}
     micro = plan.pp_microbatches
     if local_batch_size % micro:
         raise ValueError(f"pp_microbatches={micro} must divide local_batch_size={local_batch_size}")
-    specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
     ranks, shares = [], {}
+    for key, (layers, embed, last, in_flight, stages) in _memo(cache, _pipeline_ranks, a, plan, seq_len, stage_costs):
+        if key not in shares:
+            shares[key] = _estimate_share(a, layers, embed, last, last, local_batch_size // micro, in_flight, **stages,
+                                          **share)
+        ranks.append(shares[key])
+    worst = max(ranks, key=lambda r: r["gib"]["total"])
+    layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
+    return {
+        "flavor": flavor, "layout": layout, **worst,
+        "gib_per_pp_rank": [r["gib"]["total"] for r in ranks],
+    }
+
+
+def _pipeline_ranks(
+    a: DeepSeekV3ModelArgs, plan: PipelinePlan, seq_len: int, stage_costs: PipelineCosts | None
+) -> list[tuple[tuple, tuple]]:
+    """Per pp rank of ``plan``: the key of its share (ranks with equal keys share one estimate) and
+    the arguments of ``_estimate_share`` that its stages give (layers, embedding, head and MTP,
+    micro-batches in flight, and the pipeline's keywords)."""
+    pp, micro = plan.pp, plan.pp_microbatches
+    specs = plan.split(a.n_layers, a.mtp_depth, stage_costs or PipelineCosts(**stage_unit_costs(a, seq_len)))
+    ranks = []
     for rank in range(pp):
         mine = plan.rank_stages(specs, rank)
         first, last = any(s.first for s in mine), any(s.last for s in mine)
@@ -249,19 +275,10 @@ def estimate(
             drain = (tuple(0 if s.first else n for s, n in zip(mine, drain[0])), drain[1])
         key = (tuple(i >= a.n_dense_layers for i in layers), first, last, in_flight, tuple(stage_blocks), stage_io,
                drain, forwards_first)
-        if key not in shares:
-            shares[key] = _estimate_share(
-                a, layers, first or (last and a.mtp_depth > 0), last, last, local_batch_size // micro, in_flight,
-                pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
-                micro=micro, drain=drain, forwards_first=forwards_first, **share,
-            )
-        ranks.append(shares[key])
-    worst = max(ranks, key=lambda r: r["gib"]["total"])
-    layout.update(pp_schedule=plan.pp_schedule, pp_stages_per_rank=plan.pp_stages_per_rank, pp_microbatches=micro)
-    return {
-        "flavor": flavor, "layout": layout, **worst,
-        "gib_per_pp_rank": [r["gib"]["total"] for r in ranks],
-    }
+        stages = dict(pipelined=True, zero_bubble=plan.zero_bubble, stage_blocks=stage_blocks, stage_io=stage_io,
+                      micro=micro, drain=drain, forwards_first=forwards_first)
+        ranks.append((key, (layers, first or (last and a.mtp_depth > 0), last, in_flight, stages)))
+    return ranks
 
 
 def _in_flight(plan: PipelinePlan, rank: int) -> float:
@@ -279,6 +296,7 @@ def _estimate_share(
     zero_bubble: bool = False,
     stage_blocks: list[int] | None = None, stage_io: tuple[int, int] = (0, 0), micro: int = 1,
     drain: tuple[tuple[int, ...], tuple[int, ...]] | None = None, forwards_first: bool = False,
+    cache: EstimateCache | None = None,
 ) -> dict:
     """One device's estimate when it holds ``layers`` (and the embedding / the head / the MTP
     modules where set), running micro-batches of ``rows`` sequences, ``in_flight`` of them at once;
@@ -293,55 +311,21 @@ def _estimate_share(
     ``warmup``), so its stages are sharded and hold no accumulator while its activations are most:
     the peak is the larger of that moment and the backward's, one micro-batch fewer in flight."""
     act_bytes = ACT_BYTES[mixed_precision]
-    efsdp = fsdp // ep
     n_mtp = a.mtp_depth if mtp else 0
     kinds = [i >= a.n_dense_layers for i in layers] + [True] * n_mtp
-    # A block's figures depend only on its kind (dense or MoE): computed once per kind and looked up
-    # per block (the layout planner estimates tens of thousands of layouts), summed in the same order.
-    by_kind = {moe: _block_params(a, moe=moe) for moe in (False, True)}
-    blocks = [by_kind[k] for k in kinds]
-    # A tied head is the embedding: counted once where both are held.
-    n_vocab_mats = (1 if a.tie_embeddings and embed and head else int(embed) + int(head))
-    embed_head = n_vocab_mats * a.vocab_size * a.dim
-    n_blocks = a.n_layers + a.mtp_depth
-    dense_blocks = min(a.n_dense_layers, n_blocks)  # integer counts: the same sum in any order
-    total_model = sum(by_kind[False].values()) * dense_blocks + sum(by_kind[True].values()) * (n_blocks - dense_blocks)
-    total_model += (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim
-    total_model += a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
-
-    split = sum(b["tp_split"] for b in blocks) + embed_head + n_mtp * 2 * a.dim * a.dim
-    repl = sum(b["tp_replicated"] for b in blocks) + (a.dim if head else 0) + n_mtp * 3 * a.dim
-    experts = sum(b["experts"] for b in blocks)
-    total = split + repl + experts
-    local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
-    states = {k: local * v / GiB for k, v in STATE_BYTES.items()}
-    muon_local = 0.0
-    if optimizer == "muon":  # every block matrix and expert; embedding, head, norms, routers stay AdamW
-        muon_local = (split - embed_head) / (tp * fsdp) + experts / (ep * efsdp)
-        muon_local += len(blocks) * _replicated_matrices(a) / fsdp
-    states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
-
-    # Pipeline stages under FSDP: everything this rank holds, gathered over the FSDP ranks (still
-    # split over tp and ep), as fp32 gradient accumulators and, zero-bubble, in the compute dtype.
-    stage_params = split / tp + repl + experts / ep if pipelined and fsdp > 1 else 0.0
+    held = _memo(cache, _rank_states, a, tuple(kinds), embed, head, n_mtp, fsdp, ep, tp, pipelined, mixed_precision,
+                 device_type, optimizer, state_dtype)
+    total_model, local, states, embed_head, stage_params, unsharded, transient, backward_tmp, copies, rounding = held
     # torch's pipeline stage runs every backward but the step's last with
     # ``set_reshard_after_backward(False)`` (its ``backward_maybe_with_nosync``): from a stage's first
     # backward on, its parameters stay unsharded in the compute dtype until ``REDUCE_GRAD``, under
     # every schedule; the zero-bubble ones from the first forward on.
     unsharded_stages = stage_params > 0
-    # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
-    # param dtype (already in stage_params when the stages stay unsharded), and the block being
-    # reduced holds its fp32 unsharded gradient. Without sharding (one data rank) there is no
-    # FSDP wrap and no such buffer.
-    biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"]) if blocks else None
-    unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep if blocks else 0.0
-    gathered = 0 if unsharded_stages else 2 * act_bytes
-    transient = unsharded * (gathered + 4) / GiB if fsdp > 1 else 0.0
 
     tokens = rows * seq_len / cp  # local tokens per micro-batch
     fp32_norms = device_type == "cpu" and act_bytes < 4
     layer_bytes = {
-        moe: layer_activation_bytes(a, moe=moe, tp=tp, cp=cp, act_bytes=act_bytes, cpu_norms=device_type == "cpu") * tokens
+        moe: _memo(cache, layer_activation_bytes, a, moe, tp, cp, act_bytes, device_type == "cpu") * tokens
         for moe in set(kinds)
     }
     per_layer = [layer_bytes[k] for k in kinds]
@@ -350,7 +334,8 @@ def _estimate_share(
     bounds = list(itertools.accumulate(stage_blocks or [len(per_layer)], initial=0))
     checkpointed = checkpointed_blocks(ac, len(kinds), len(layers), selective_every)
     kept_bytes = {
-        moe: block_activation_bytes(a, moe, "modules" if parts else "full", parts, tp, cp, act_bytes, fp32_norms) * tokens
+        moe: _memo(cache, block_activation_bytes, a, moe, "modules" if parts else "full", parts, tp, cp, act_bytes, fp32_norms)
+        * tokens
         for moe in set(kinds)
     }
     kept = [kept_bytes[k] if c else saved for k, c, saved in zip(kinds, checkpointed, per_layer)]
@@ -372,7 +357,7 @@ def _estimate_share(
         # Late in the backward: each waiting weight pass holds its stage's blocks' weight-output
         # gradients (`weight_grad_output_bytes`) beside the micro-batches still in flight, while an
         # input pass recomputes one block, or a weight pass its stage (then one fewer waits).
-        grad_out = {moe: weight_grad_output_bytes(a, moe, tp, act_bytes) * tokens for moe in set(kinds)}
+        grad_out = {moe: _memo(cache, weight_grad_output_bytes, a, moe, tp, act_bytes) * tokens for moe in set(kinds)}
         waiting = sum(n * sum(grad_out[k] for k in kinds[i:j]) for n, i, j in zip(drain[0], bounds, bounds[1:]))
         passes = [sum(grad_out[k] for k in kinds[i:j]) for n, i, j in zip(drain[0], bounds, bounds[1:]) if n]
         in_flight_held = sum(n * sum(kept[i:j]) for n, i, j in zip(drain[1], bounds, bounds[1:]))
@@ -387,28 +372,7 @@ def _estimate_share(
     attention_calls = (len(kinds) - sum(checkpointed)) * in_flight + (1 if any(checkpointed) else 0)
     mask = rows * (seq_len / cp) * seq_len * (in_flight + act_bytes * attention_calls) if block_causal_sdpa else 0.0
     activations = {"layers": act / GiB, "logits_and_loss": logits / GiB, "attention_mask": mask / GiB}
-    # At the end of backward, while (nearly) all gradients are live: the embedding's dense
-    # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
-    # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
-    # Pipeline stages under FSDP: the fp32 gradients are the accumulators (stage_grad_accumulators);
-    # what passes is FSDP's unsharded gradient, in the compute dtype.
-    backward_tmp = n_vocab_mats * a.vocab_size * a.dim / tp * (act_bytes if stage_params else 4) / GiB
     cuda = device_type == "cuda"
-    embedding_local = a.vocab_size * a.dim / (tp * fsdp) if embed else 0.0
-    copies = (local - embedding_local) * 2 if cuda and mixed_precision == "bfloat16" and fsdp == 1 else 0.0
-    rounding = 0.0
-    if cuda:
-        scale = local / total  # each tensor's local share, as the layout splits it on average
-        numels_of = {moe: _block_tensor_numels(a, moe) for moe in set(kinds)}
-        numels = [n for k in kinds for n in numels_of[k]] + [a.vocab_size * a.dim] * n_vocab_mats
-        numels += [a.dim] if head else []
-        per_copy = [(4, 4), (2, 1 if copies else 0)]  # (bytes per element, tensors): fp32 param, grad, m, v; bf16 copy
-        # Each distinct size's terms once (the blocks repeat a few sizes), added in the order of `numels`.
-        terms = {
-            n: [count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes) for nbytes, count in per_copy]
-            for n in set(numels)
-        }
-        rounding = sum(itertools.chain.from_iterable(map(terms.__getitem__, numels)))
     # Without pipelining, the late backward (the first blocks' backward): nearly every sharded
     # gradient exists while one block's activations, its FSDP buffers and what the whole backward
     # keeps are live. The step keeps the model's output, so every head use's logits, in the compute
@@ -448,11 +412,20 @@ def _estimate_share(
             "cublas_workspace": CUBLAS_WORKSPACE_BYTES / GiB if cuda else 0.0,
         },
     }
-    g = result["gib"]
+    result["gib"]["total"] = _total(result["gib"], pipelined, unsharded_stages, forwards_first, grads_act / GiB)
+    return result
+
+
+def _total(g: dict[str, float], pipelined: bool, unsharded_stages: bool, forwards_first: bool, grads_act_gib: float) -> float:
+    """A rank's peak GiB from its terms ``g`` (``_estimate_share``): what it holds through the step,
+    the CUDA terms, and the largest of its moments (module docstring): the gradients, the forward,
+    the late backward and, for a rank that runs its forwards first, the moment before its first
+    backward (``grads_act_gib``: its activations once the first backward has freed one micro-batch).
+    ``unsharded_stages``: pipeline stages under FSDP, unsharded through the step."""
     forward = g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["layers"] + g["logits_and_loss"]
     held = g["params"] + g["optimizer"] + g["stage_unsharded_params"] + g["stage_grad_accumulators"]
     held += g["pipeline_buffers"]
-    if pipelined and stage_params:
+    if pipelined and unsharded_stages:
         # A stage's backward (its embedding / head gradient temporaries) runs while the other
         # in-flight micro-batches' activations are held: the two add up (the dry run's peak). The
         # stages stay unsharded through their backwards, so no block is gathered or reduced then:
@@ -465,7 +438,7 @@ def _estimate_share(
             # has freed a micro-batch's activations (`grads_act`) by the time they are whole.
             stage = g["stage_unsharded_params"] + g["stage_grad_accumulators"]
             before = g["before_first_backward"] + g["bf16_weight_copies"] + g["attention_mask"]
-            after = forward - g["layers"] + grads_act / GiB + g["attention_mask"]
+            after = forward - g["layers"] + grads_act_gib + g["attention_mask"]
             held -= stage
             peak = max(before, stage + max(g["grads"] + g["fsdp_unsharded_block"], after, late))
     elif pipelined:
@@ -473,8 +446,115 @@ def _estimate_share(
     else:
         late = g["grads"] + g["late_backward"] + g["fsdp_unsharded_block"] + g["bf16_weight_copies"] + g["attention_mask"]
         peak = max(g["grads"] + g["backward_temporaries"], forward + g["attention_mask"], late)
-    g["total"] = held + g["allocator_rounding"] + g["cublas_workspace"] + peak
-    return result
+    return held + g["allocator_rounding"] + g["cublas_workspace"] + peak
+
+
+class _RankStates(NamedTuple):
+    """What one rank holds whatever its batch (``_rank_states``); bytes unless GiB."""
+
+    total_model: int  # the model's parameters
+    local: float  # this rank's parameters
+    states: dict[str, float]  # GiB of its fp32 parameters, gradients and optimizer states
+    embed_head: int  # the embedding / head parameters it holds
+    stage_params: float  # its pipeline stages' parameters as FSDP gathers them (0 without)
+    unsharded: float  # its largest block's parameters as FSDP gathers them
+    transient: float  # GiB of FSDP's gathered block and reduce buffer
+    backward_tmp: float  # GiB of the embedding / head gradient temporaries
+    copies: float  # the bf16 weight copies without FSDP sharding
+    rounding: float  # the CUDA allocator's rounding of the parameter-like tensors
+
+
+def _rank_states(
+    a: DeepSeekV3ModelArgs, kinds: tuple[bool, ...], embed: bool, head: bool, n_mtp: int, fsdp: int, ep: int, tp: int,
+    pipelined: bool, mixed_precision: str, device_type: str, optimizer: str, state_dtype: str,
+) -> _RankStates:
+    """The terms of ``_estimate_share`` that its batch does not change, for the blocks of ``kinds``
+    (MoE or not, MTP's last): the layouts of one set of degrees and one pipeline split repeat them."""
+    act_bytes = ACT_BYTES[mixed_precision]
+    efsdp = fsdp // ep
+    # A block's figures depend only on its kind (dense or MoE): computed once per kind and looked up
+    # per block (the layout planner estimates tens of thousands of layouts), summed in the same order.
+    by_kind = {moe: _block_params(a, moe=moe) for moe in (False, True)}
+    blocks = [by_kind[k] for k in kinds]
+    # A tied head is the embedding: counted once where both are held.
+    n_vocab_mats = (1 if a.tie_embeddings and embed and head else int(embed) + int(head))
+    embed_head = n_vocab_mats * a.vocab_size * a.dim
+    n_blocks = a.n_layers + a.mtp_depth
+    dense_blocks = min(a.n_dense_layers, n_blocks)  # integer counts: the same sum in any order
+    total_model = sum(by_kind[False].values()) * dense_blocks + sum(by_kind[True].values()) * (n_blocks - dense_blocks)
+    total_model += (1 if a.tie_embeddings else 2) * a.vocab_size * a.dim
+    total_model += a.mtp_depth * (2 * a.dim * a.dim + 3 * a.dim) + a.dim
+
+    split = sum(b["tp_split"] for b in blocks) + embed_head + n_mtp * 2 * a.dim * a.dim
+    repl = sum(b["tp_replicated"] for b in blocks) + (a.dim if head else 0) + n_mtp * 3 * a.dim
+    experts = sum(b["experts"] for b in blocks)
+    total = split + repl + experts
+    local = split / (tp * fsdp) + repl / fsdp + experts / (ep * efsdp)
+    states = {k: local * v / GiB for k, v in STATE_BYTES.items()}
+    muon_local = 0.0
+    if optimizer == "muon":  # every block matrix and expert; embedding, head, norms, routers stay AdamW
+        muon_local = (split - embed_head) / (tp * fsdp) + experts / (ep * efsdp)
+        muon_local += len(blocks) * _replicated_matrices(a) / fsdp
+    states["optimizer"] = optimizer_state_bytes(local, muon_local, state_dtype) / GiB
+
+    # Pipeline stages under FSDP: everything this rank holds, gathered over the FSDP ranks (still
+    # split over tp and ep), as fp32 gradient accumulators and, zero-bubble, in the compute dtype.
+    stage_params = split / tp + repl + experts / ep if pipelined and fsdp > 1 else 0.0
+    # FSDP all-gathers one block ahead: the current and the prefetched block unsharded in the
+    # param dtype (already in stage_params when the stages stay unsharded), and the block being
+    # reduced holds its fp32 unsharded gradient. Without sharding (one data rank) there is no
+    # FSDP wrap and no such buffer.
+    biggest = max(blocks, key=lambda b: b["tp_split"] + b["experts"]) if blocks else None
+    unsharded = biggest["tp_split"] / tp + biggest["tp_replicated"] + biggest["experts"] / ep if blocks else 0.0
+    gathered = 0 if stage_params > 0 else 2 * act_bytes
+    transient = unsharded * (gathered + 4) / GiB if fsdp > 1 else 0.0
+    # At the end of backward, while (nearly) all gradients are live: the embedding's dense
+    # vocab x dim gradient and the head's weight gradient pass through fp32 temporaries
+    # (measured on CPU with MemTracker for the debug flavor: 2-3 such buffers).
+    # Pipeline stages under FSDP: the fp32 gradients are the accumulators (stage_grad_accumulators);
+    # what passes is FSDP's unsharded gradient, in the compute dtype.
+    backward_tmp = n_vocab_mats * a.vocab_size * a.dim / tp * (act_bytes if stage_params else 4) / GiB
+    cuda = device_type == "cuda"
+    embedding_local = a.vocab_size * a.dim / (tp * fsdp) if embed else 0.0
+    copies = (local - embedding_local) * 2 if cuda and mixed_precision == "bfloat16" and fsdp == 1 else 0.0
+    rounding = 0.0
+    if cuda:
+        scale = local / total  # each tensor's local share, as the layout splits it on average
+        numels_of = {moe: _block_tensor_numels(a, moe) for moe in set(kinds)}
+        numels = [n for k in kinds for n in numels_of[k]] + [a.vocab_size * a.dim] * n_vocab_mats
+        numels += [a.dim] if head else []
+        per_copy = [(4, 4), (2, 1 if copies else 0)]  # (bytes per element, tensors): fp32 param, grad, m, v; bf16 copy
+        # Each distinct size's terms once (the blocks repeat a few sizes), added in the order of `numels`.
+        terms = {
+            n: [count * (cuda_block_bytes(n * scale * nbytes) - n * scale * nbytes) for nbytes, count in per_copy]
+            for n in set(numels)
+        }
+        rounding = sum(itertools.chain.from_iterable(map(terms.__getitem__, numels)))
+    return _RankStates(total_model, local, states, embed_head, stage_params, unsharded, transient, backward_tmp,
+                       copies, rounding)
+
+
+class EstimateCache:
+    """Figures that the estimates of one model repeat, computed once per key: a rank's states
+    (``_rank_states``), the per-token activation figures of a block kind, a pipeline's ranks. The
+    layout planner builds one per group of layouts and passes it to ``estimate`` (``cache``); each
+    key holds every argument of the figure but the model, which the cache is bound to, so an
+    estimate is the same with or without it (tests/unit/test_layout_planner.py)."""
+
+    def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
+        self.model_args = model_args
+        self.figures: dict[tuple, object] = {}
+
+
+def _memo(cache: EstimateCache | None, fn, a: DeepSeekV3ModelArgs, *args):
+    """``fn(a, *args)``, looked up in ``cache`` where given."""
+    if cache is None:
+        return fn(a, *args)
+    key = (fn, *args)
+    value = cache.figures.get(key)
+    if value is None:
+        value = cache.figures[key] = fn(a, *args)
+    return value
 
 
 def available_bytes(device: torch.device) -> tuple[int | None, str]:

@@ -130,9 +130,11 @@ def test_ep_as_cp_is_enumerated_and_its_latent_exchange_timed():
 
 
 def test_pruning_ranks_exactly_as_estimating_every_layout(monkeypatch):
-    """The planner skips the estimate of layouts whose states alone cannot fit (``prune``): the same
-    layouts, memory figures, step times and order as estimating every one, with fewer estimates.
-    16B on 16 GPUs with 40 GiB, where the HSDP-heavy layouts' states exceed the GPU."""
+    """The planner skips the estimate of layouts whose states alone cannot fit (``prune``) and shares
+    each group's repeated figures (``memo``, trainer/memory.py ``EstimateCache``): the same layouts,
+    memory figures, step times and order as the straightforward enumeration (every layout
+    estimated on its own), with fewer estimates. 16B on 16 GPUs with 40 GiB, where the HSDP-heavy
+    layouts' states exceed the GPU."""
     import trainer.layout_planner as planner
 
     calls = {"estimate": 0}
@@ -143,7 +145,7 @@ def test_pruning_ranks_exactly_as_estimating_every_layout(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planner, "estimate", counted)
-    every = plan_layouts("16B", 16, 40.0, 8, 4096, 32, Hardware(), prune=False)
+    every = plan_layouts("16B", 16, 40.0, 8, 4096, 32, Hardware(), prune=False, memo=False)
     estimated = calls["estimate"]
     pruned = plan_layouts("16B", 16, 40.0, 8, 4096, 32, Hardware())
     overlapped = sum(p.moe_overlap for p in planner.candidates("16B", 16, 8, 4096, 32))  # the plain one's estimate

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from models.deepseek_v3 import DeepSeekV3Model, get_flavor
+from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, load_config
-from trainer.config.pipeline_layout import PipelinePlan
-from trainer.memory import GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.memory import EstimateCache, GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
 from trainer.parallel.parallel_dims import ParallelDims
 
 
@@ -429,3 +430,27 @@ def test_what_a_block_saves_for_backward_is_the_estimators(dtype):
         held = sum(kept.values()) + (a.dim * 4 * seq if act_bytes == 4 else 0)
         estimated = layer_activation_bytes(a, i >= a.n_dense_layers, 1, 1, act_bytes, cpu_norms=True) * seq
         assert abs(estimated - held) <= 0.03 * held, (i, dtype, estimated / seq, held / seq)
+
+
+def test_a_shared_cache_gives_every_estimate_unchanged():
+    """``EstimateCache`` (the layout planner's, one per group of layouts) computes a rank's states,
+    the block figures and the pipeline's ranks once: each estimate through one shared cache, in
+    any order, is the one without it, term by term and bit for bit."""
+    args = get_flavor("16B")
+    costs = PipelineCosts(**stage_unit_costs(args, 4096))  # the meta model built once
+    dualpipev = PipelinePlan(pp=4, pp_schedule="DualPipeV", pp_microbatches=16, pp_max_deferred_weight_passes=2)
+    cases = [
+        ("none", {}),
+        ("full", dict(pipeline=dualpipev)),
+        ("modules", dict(recompute_modules=("megatron_dsv3",), pipeline=dualpipev)),
+        ("selective", dict(pipeline=PipelinePlan(pp=4, pp_schedule="Interleaved1F1B", pp_microbatches=8))),
+        ("full", dict(pipeline=PipelinePlan(pp=4, pp_schedule="1F1B", pp_microbatches=4), ep_as_cp=True)),
+        ("op", dict(device_type="cpu", optimizer="muon", state_dtype="bfloat16", block_causal_sdpa=True)),
+    ]
+    cache = EstimateCache(args)
+    for ac, kw in [*cases, *reversed(cases)]:
+        plain = estimate("16B", 4, 2, 1, 1, 4096, 16, ac, model_args=args, stage_costs=costs, **kw)
+        assert estimate("16B", 4, 2, 1, 1, 4096, 16, ac, model_args=args, stage_costs=costs, cache=cache, **kw) == plain
+    assert cache.figures
+    with pytest.raises(ValueError, match="another model"):
+        estimate("16B", 4, 2, 1, 1, 4096, 16, "none", cache=cache)  # a fresh copy of the flavor
