@@ -34,7 +34,7 @@ WORLD_LAYOUTS = {
 }
 TP_CP_LAYOUTS = {world: [name for name, (n, _) in tp_cp_parity.LAYOUTS.items() if n == world] for world in WORLD_LAYOUTS}
 REL = 1e-5
-# Two launches, about 50 s of the 2-core budget (46 s alone on 2026-11-26): the full suite only.
+# One spawn of 4 ranks serves both world sizes; minutes of CPU on 2 cores: the full suite only.
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
