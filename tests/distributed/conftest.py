@@ -8,6 +8,8 @@ layout of the routed experts against the unsharded copy (test_compile_ep.py), th
 context-parallel MLA (test_cp_attention.py), Engram's sharded tables at world
 sizes 2 and 1 (test_engram_parallel.py) and the EP step's device reads (test_step_sync_ep.py). A
 selection of one of those modules runs them all (about a launch's cost more than it alone).
+The 4-rank checks share one spawn of four ranks the same way (`four_ranks`), the jobs of the
+selected tests only (`selected`).
 """
 
 import compile_ep_worker
@@ -15,10 +17,11 @@ import cp_attention_worker
 import engram_worker
 import moe_ep_worker
 import moe_overlap_fast_worker
+import muon_owner_worker
 import pytest
 import step_sync_worker
 
-from trainer.diagnostics import spawn_local_jobs
+from trainer.diagnostics import free_port, spawn_local_jobs
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +42,30 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
         "step_sync_ep": (step_sync_worker.run, (str(workdir),)),
     }
     return spawn_local_jobs(jobs, 2, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def selected(request):
+    """``selected("test_x.py::test_y")``: whether this session runs that test (any of its
+    parameters). A spawn of ranks shared by fast and slow tests (a job each) leaves out the jobs
+    of deselected tests: the fast tier (``-m "not slow"``) then pays for its own jobs only."""
+    names = {item.nodeid.split("[")[0].rsplit("/", 1)[-1] for item in request.session.items}
+    return lambda test: test in names
+
+
+@pytest.fixture(scope="session")
+def four_ranks(selected, tmp_path_factory) -> dict[str, list]:
+    """Job name -> what its worker queued, one item per rank: the selected tests' 4-rank checks in
+    one spawn of four gloo ranks, as `two_ranks` does for 2: Engram's sharded tables at world
+    size 4 (test_engram_parallel.py), the Muon owners' exchange in each placement (fast tier) and
+    in the trainer's layouts (slow; test_muon_owners.py)."""
+    jobs = {}
+    if selected("test_engram_parallel.py::test_sharded_matches_unsharded"):
+        jobs["engram_world_4"] = (engram_worker.run, ((True,),))
+    if selected("test_muon_owners.py::test_every_placement_gives_one_process_weights_bitwise"):
+        jobs["muon_placements"] = (muon_owner_worker.run_placements, ())
+    if selected("test_muon_owners.py::test_each_matrix_is_orthogonalised_once"):
+        # Last: Trainers, which set the rank's environment (MASTER_PORT, RANK) and its logging.
+        ports = [free_port() for _ in list(muon_owner_worker.LAYOUTS)[1:]]
+        jobs["muon_layouts"] = (muon_owner_worker.run, (str(tmp_path_factory.mktemp("muon_owners")), ports))
+    return spawn_local_jobs(jobs, 4, timeout=900)

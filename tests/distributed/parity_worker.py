@@ -1,8 +1,8 @@
 """Loss-parity worker: trains the debug model for a few steps under several parallel layouts in
-one process group and writes each layout's losses and gradient norms to a JSON file.
+one process group and returns each layout's losses and gradient norms.
 
-    python -m tests.distributed.parity_worker --nproc 4 --layouts hsdp_2x2_ep_2 --tp-cp-layouts fsdp2_cp2 \
-        --out out.json [--reference]
+`run` is a `trainer.diagnostics.spawn_local_jobs` job: test_parity.py runs one job per world
+size (2 and 4) in one spawn of 4 ranks, so each rank imports torch once for both.
 
 Every layout runs the real ``Trainer`` (meta build -> parallelize -> weights -> train_step), fp32,
 deterministic, from the same weights (the layout-invariant init, trainer/parallel/weight_init.py).
@@ -13,20 +13,17 @@ local]``, the rows the trainer's own loader gives it (trainer/data/datasets.py; 
 parity is tested through run_train.sh in tests/e2e/test_layout_parity.py). The single-process
 reference reads the same global batches whole, so all layouts see the same tokens per step.
 
-``--reference`` also runs the single-process layout on rank 0 before the process group starts.
-``--tp-cp-layouts`` runs tests/distributed/tp_cp_parity.py's layouts (a q_lora model trained by
-hand) in the same process group afterwards, under "tp_cp/<layout>": one launch instead of one each.
+``reference`` also runs the single-process layout on rank 0 before the process group starts.
+``tp_cp_layouts`` runs tests/distributed/tp_cp_parity.py's layouts (a q_lora model trained by
+hand) in the same process group afterwards, under "tp_cp/<layout>": one job instead of one each.
 With 4 ranks it also runs tests/distributed/qk_clip_tp.py's QK-clip check (TP 2 x FSDP 2).
 Adding a layout (TP, CP, ...): one entry in ``LAYOUTS`` with its ``[parallelism]`` overrides and
-its world size; the pytest side (test_parity.py) lists which layouts it launches.
+its world size; the pytest side (test_parity.py) lists which layouts it runs.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -145,9 +142,10 @@ def check_init(layout: str, workdir: str) -> dict:
         trainer.metrics.close()
 
 
-def _worker(
-    rank: int, nproc: int, port: int, layouts: list[str], tp_cp_layouts: list[str], out: str, reference: bool
+def run(
+    rank: int, nproc: int, port: int, layouts: list[str], tp_cp_layouts: list[str], reference: bool, queue
 ) -> None:
+    """Puts (rank, results by layout) on `queue`; rank 0's also hold the reference's."""
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -177,26 +175,4 @@ def _worker(
     from trainer.distributed import destroy_distributed
 
     destroy_distributed()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nproc", type=int, required=True)
-    parser.add_argument("--layouts", default="")
-    parser.add_argument("--tp-cp-layouts", default="")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--port", type=int, default=29533)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
-    layouts = [x for x in args.layouts.split(",") if x]
-    tp_cp_layouts = [x for x in args.tp_cp_layouts.split(",") if x]
-    torch.multiprocessing.spawn(
-        _worker, args=(args.nproc, args.port, layouts, tp_cp_layouts, args.out, args.reference), nprocs=args.nproc
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    queue.put((rank, results))

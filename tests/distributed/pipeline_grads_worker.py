@@ -210,3 +210,16 @@ def run(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
                        "params": sum(1 for _ in model.parameters()), "calls": calls, "torch_path": torch_path})
     finally:
         dist.destroy_process_group()
+
+
+class _Results(list):
+    """A queue that keeps what is put on it."""
+
+    put = list.append
+
+
+def run_job(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
+    """`run` as a `spawn_local_jobs` job: puts this rank's results of all cases as one list."""
+    results = _Results()
+    run(rank, world, port, cases, results)
+    queue.put(list(results))

@@ -1,4 +1,4 @@
-"""QK-clip under TP 2 x FSDP 2, run inside tests/distributed/parity_worker.py's 4-rank launch
+"""QK-clip under TP 2 x FSDP 2, run inside tests/distributed/parity_worker.py's 4-rank job
 (`check()`, on every rank; asserted by tests/distributed/test_parity.py): the per-head maxima
 gathered over the tp ranks into model order and maxed over the data ranks, and the heads' rows
 scaled on each rank's shards, where FSDP's dim-0 shards of TP's head blocks cut through a head,

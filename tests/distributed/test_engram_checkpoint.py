@@ -11,27 +11,33 @@ count of each table row in the norm against each other."""
 import engram_worker
 import pytest
 
-from trainer.diagnostics import spawn_local
+from trainer.diagnostics import spawn_local_jobs
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 
-def _launch(world: int, ckpt_dir: str, *phases: tuple[int, str, bool]) -> list[dict]:
-    """One launch of `world` ranks running `phases` ((degree, mode, offload) each) in turn; each
-    phase's results by rank."""
-    results = dict(spawn_local(engram_worker.run_checkpoint, world, list(phases), ckpt_dir))
-    for rank, r in results.items():
+def _by_phase(results: list, phases: int) -> list[dict]:
+    """A job's results ((rank, [one per phase]) each) as one {rank: result} per phase."""
+    by_rank = dict(results)
+    for rank, r in by_rank.items():
         assert isinstance(r, list), f"rank {rank}: {r}"
-    return [{rank: r[i] for rank, r in results.items()} for i in range(len(phases))]
+    return [{rank: r[i] for rank, r in by_rank.items()} for i in range(phases)]
 
 
-@pytest.mark.slow  # two launches of 4 and 2 ranks with FSDP and EP
+@pytest.mark.slow  # 4 and 2 ranks with FSDP and EP
 def test_save_at_degree_2_resume_at_4_and_1_same_losses(tmp_path):
     ckpt = str(tmp_path / "run")
-    # The save and the resume at degree 4 share the 4 ranks: each phase builds its model,
-    # optimizer and checkpointer from scratch, and the resume gets its state from the files alone.
-    saved, resumed_4 = _launch(4, ckpt, (2, "save", True), (4, "load", False))
-    (resumed_1,) = _launch(2, ckpt, (1, "load", True))
+    # One spawn of 4 ranks, two jobs in turn ((degree, mode, offload) phases each): the save and
+    # the resume at degree 4 on all 4 ranks, then the resume at degree 1 on ranks 0 and 1. Each
+    # phase builds its model, optimizer and checkpointer from scratch in a process group of its
+    # own, and the resumes get their state from the files alone.
+    jobs = {
+        "world4": (engram_worker.run_checkpoint, ([(2, "save", True), (4, "load", False)], ckpt), 4),
+        "world2": (engram_worker.run_checkpoint, ([(1, "load", True)], ckpt), 2),
+    }
+    out = spawn_local_jobs(jobs, 4)
+    saved, resumed_4 = _by_phase(out["world4"], 2)
+    (resumed_1,) = _by_phase(out["world2"], 1)
     losses, norms = saved[0]["losses"], saved[0]["grad_norms"]
     for world, degree, resumed in ((4, 4, resumed_4), (2, 1, resumed_1)):
         num_rows = resumed[0]["num_rows"]

@@ -12,8 +12,6 @@ the other ranks): logits and every gradient against the unsplit model.
 import engram_worker
 import pytest
 
-from trainer.diagnostics import spawn_local
-
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
@@ -23,8 +21,8 @@ N_ENGRAM_LAYERS = len(engram_worker.ENGRAM.layer_ids)
 def launch(request):
     """`launch(world)`: the all-to-all counts by rank, {precompute: counts}; one launch per world
     size, precompute off checked at world size 2 only (it changes the exchanges, not the sharding
-    that the world sizes vary). World sizes 1 and 2 run in the fast tier's shared 2-rank launch
-    (tests/distributed/conftest.py)."""
+    that the world sizes vary). World sizes 1 and 2 run in the fast tier's shared 2-rank launch,
+    4 in the shared 4-rank one (tests/distributed/conftest.py)."""
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict:
@@ -32,7 +30,7 @@ def launch(request):
             if world in (1, 2):
                 results = dict(request.getfixturevalue("two_ranks")["engram" if world == 2 else "engram_world_1"])
             else:
-                results = dict(spawn_local(engram_worker.run, world, (True,)))
+                results = dict(request.getfixturevalue("four_ranks")["engram_world_4"])
             assert sorted(results) == list(range(world)), results
             for rank, r in results.items():
                 assert isinstance(r, dict), f"rank {rank}: {r}"

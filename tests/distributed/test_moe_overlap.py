@@ -9,17 +9,26 @@ from __future__ import annotations
 import moe_overlap_worker
 import pytest
 
-from trainer.diagnostics import spawn_local
+from trainer.diagnostics import spawn_local_jobs
 
-# One 2-rank launch (~50 s on 2 shared cores) serves the three tests without PP, one 4-rank
-# launch (~40 s) the two with DualPipeV.
+# One spawn of 4 ranks: the DualPipeV job on all four serves the two tests with DualPipeV, then
+# the job on ranks 0 and 1 the three without PP.
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    workdir = tmp_path_factory.mktemp("moe_overlap")
-    return sorted(spawn_local(moe_overlap_worker.run, 2, str(workdir), timeout=300), key=lambda r: r["rank"])
+def jobs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each job's results, sorted by rank."""
+    jobs = {
+        "dualpipev": (moe_overlap_worker.run_dualpipev, (str(tmp_path_factory.mktemp("moe_overlap_dualpipev")),), 4),
+        "ep": (moe_overlap_worker.run, (str(tmp_path_factory.mktemp("moe_overlap")),), 2),
+    }
+    return {name: sorted(got, key=lambda r: r["rank"]) for name, got in spawn_local_jobs(jobs, 4, timeout=600).items()}
+
+
+@pytest.fixture(scope="module")
+def ranks(jobs) -> list[dict]:
+    return jobs["ep"]
 
 
 def _assert_bitwise(ranks: list[dict], micro_batches: int) -> None:
@@ -48,9 +57,8 @@ def test_overlap_keeps_one_host_read_per_moe_layer_and_micro_batch(ranks):
 
 
 @pytest.fixture(scope="module")
-def dualpipev_ranks(tmp_path_factory) -> list[dict]:
-    workdir = tmp_path_factory.mktemp("moe_overlap_dualpipev")
-    return sorted(spawn_local(moe_overlap_worker.run_dualpipev, 4, str(workdir), timeout=400), key=lambda r: r["rank"])
+def dualpipev_ranks(jobs) -> list[dict]:
+    return jobs["dualpipev"]
 
 
 def test_dualpipev_overlap_gives_bitwise_the_plain_losses_and_gradients(dualpipev_ranks):

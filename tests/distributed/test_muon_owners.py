@@ -13,8 +13,9 @@ and fit one bucket: one call per owning rank). Over the world, every matrix, exp
 included, is orthogonalised by exactly one rank (named from the owner plans and the stacks held
 alone; the kernels' batch sizes add up to each rank's share); the busiest rank's NS FLOPs stay
 within 25% of the mean (printed): owners are balanced over all ranks, experts within their
-expert-parallel slice. In a launch of its own (the fast tier's), two Muon steps in each placement a
-2-D parameter or an expert stack gets give one process's weights bitwise."""
+expert-parallel slice. In the fast tier, two Muon steps in each placement a 2-D parameter or an
+expert stack gets give one process's weights bitwise. Both in the 4 ranks the distributed tests
+share (tests/distributed/conftest.py `four_ranks`)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,13 @@ import collections
 import muon_owner_worker
 import pytest
 
-from trainer.diagnostics import free_port, spawn_local
-
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    workdir = tmp_path_factory.mktemp("muon_owners")
-    ports = [free_port() for _ in list(muon_owner_worker.LAYOUTS)[1:]]
-    out = spawn_local(muon_owner_worker.run, 4, str(workdir), ports, timeout=300)
-    return sorted(out, key=lambda r: r["rank"])
+def ranks(four_ranks) -> list[dict]:
+    # In the 4 ranks the distributed tests share (tests/distributed/conftest.py).
+    return sorted(four_ranks["muon_layouts"], key=lambda r: r["rank"])
 
 
 @pytest.mark.slow  # 4 ranks build the trainer four times
@@ -73,9 +70,9 @@ def test_each_matrix_is_orthogonalised_once(ranks, layout):
     assert max(flops) <= 1.25 * mean
 
 
-def test_every_placement_gives_one_process_weights_bitwise():
-    # The owners' exchange without a trainer: one 4-rank launch of plain parameters, in the fast tier.
-    ranks = spawn_local(muon_owner_worker.run_placements, 4, timeout=300)
+def test_every_placement_gives_one_process_weights_bitwise(four_ranks):
+    # The owners' exchange without a trainer: plain parameters on 4 ranks, in the fast tier.
+    ranks = four_ranks["muon_placements"]
     assert len(ranks) == 4
     for r in ranks:
         assert r["placements"] == dict.fromkeys(r["placements"], True) and len(r["placements"]) == 10, r["placements"]

@@ -1,14 +1,14 @@
 """Loss and gradient-norm parity of parallel layouts against one process (gloo on CPU, fp32).
 
-Each world size is one launch of ``parity_worker`` (process start-up dominates the cost here),
-running several layouts in one process group:
+Each world size is one job of ``parity_worker`` running several layouts in one process group, both
+jobs in one spawn of 4 ranks (process start-up dominates the cost here):
 - through the real Trainer (see parity_worker for how every layout gets the same global batches
   and the same initial weights): expert parallelism under FSDP and HSDP, and activation
   checkpointing;
 - by hand on a finer model (tests/distributed/tp_cp_parity.py: q_lora, random documents,
   clipping on): TP 2, EP-as-CP 2, FSDP 2 x CP 2 and FSDP 2 x EP 2 x TP 2;
 - QK-clip's gather and row scaling under TP 2 x FSDP 2 (tests/distributed/qk_clip_tp.py), in the
-  4-rank launch.
+  4-rank job.
 FSDP 2 and HSDP 2x2 x EP 2 also run through run_train.sh (tests/e2e/test_layout_parity.py:
 losses, gradient norms and validation), as do CP and EP-as-CP under each pipeline stage (pp_2_cp_2,
 pp_2_ep_2_as_cp) and EP-as-CP across two nodes (tests/e2e/test_multinode.py). Compiled EP blocks:
@@ -22,48 +22,33 @@ norms agree to rel 1e-5 between all layouts (the norm is summed in fp32 from per
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import parity_worker
 import pytest
 
 from tests.distributed import tp_cp_parity
-from trainer.diagnostics import free_port
+from trainer.diagnostics import spawn_local_jobs
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD_LAYOUTS = {
     2: ["fsdp_2_ep_2", "fsdp_2_ep_2_ac_full", "fsdp_2_ac_op"],
     4: ["hsdp_2x2_ep_2"],
 }
 TP_CP_LAYOUTS = {world: [name for name, (n, _) in tp_cp_parity.LAYOUTS.items() if n == world] for world in WORLD_LAYOUTS}
 REL = 1e-5
-# Two launches, about 50 s of the 2-core budget (46 s alone on 2026-11-26): the full suite only.
+# One spawn of 4 ranks serves both world sizes; minutes of CPU on 2 cores: the full suite only.
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
-def _launch(nproc: int, layouts: list[str], out: Path, reference: bool) -> dict:
-    cmd = [
-        sys.executable, "-m", "tests.distributed.parity_worker", "--nproc", str(nproc),
-        "--layouts", ",".join(layouts), "--tp-cp-layouts", ",".join(TP_CP_LAYOUTS[nproc]),
-        "--out", str(out), "--port", str(free_port()),
-    ]
-    if reference:
-        cmd.append("--reference")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("parity")
+def results() -> dict:
+    """Rank 0's results of both world sizes' jobs, in one spawn of 4 ranks (the 4-rank job first:
+    ranks 2 and 3 then leave while ranks 0 and 1 run the 2-rank job)."""
+    jobs = {
+        f"world{nproc}": (parity_worker.run, (layouts, TP_CP_LAYOUTS[nproc], nproc == 4), nproc)
+        for nproc, layouts in sorted(WORLD_LAYOUTS.items(), reverse=True)
+    }
     out = {}
-    for i, (nproc, layouts) in enumerate(WORLD_LAYOUTS.items()):
-        out.update(_launch(nproc, layouts, tmp / f"world{nproc}.json", reference=i == 0))
+    for job in spawn_local_jobs(jobs, 4, timeout=900).values():
+        out.update(dict(job)[0])
     return out
 
 
@@ -98,7 +83,7 @@ def test_tp_cp_layout_matches_single_process(results, tp_cp_reference, layout):
 
 
 def test_qk_clip_under_tp_fsdp_matches_one_process(results):
-    """tests/distributed/qk_clip_tp.py, in the 4-rank launch: TP 2 x FSDP 2 clips as one process."""
+    """tests/distributed/qk_clip_tp.py, in the 4-rank job: TP 2 x FSDP 2 clips as one process."""
     got = results["qk_clip_tp2_fsdp2"]
     assert got["shard_rows"] == [72]  # 3 heads of 48 rows per tp rank, 72 per FSDP shard: a shard ends inside a head
     assert got["clipped_heads"] == 7

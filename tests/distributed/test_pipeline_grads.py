@@ -1,7 +1,7 @@
 """Every gradient of one pipelined training step equals one process's (gloo, CPU, fp32), and the
 zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
 
-- Fast tier, one 2-rank launch: pp 2 with every schedule torch ships (the pipeline runtime of
+- Fast tier, 2 ranks: pp 2 with every schedule torch ships (the pipeline runtime of
   each, including the V schedules, whose rank 0 shares its embedding with MTP on the last stage,
   and the looped ones with four stages). The zero-bubble schedules again with full activation
   checkpointing: one weight pass (trainer/parallel/weight_pass.py `weight_pass`) recomputes each
@@ -13,7 +13,7 @@ zero-bubble schedules' FSDP guard (trainer/parallel/pipeline_step.py) holds.
   schedules with EP 2 too: the stage modules are FSDP roots with ``reshard_after_forward=False``
   inside, and every gradient (the routed experts' second parameter group on "efsdp" included) is
   reduced once, after the weight pass.
-- The negative control, in the same launch: the same pipeline with the blocks' units resharding
+- The negative control, in the same 4-rank job: the same pipeline with the blocks' units resharding
   after forward gives wrong or missing gradients (torch 2.13), and the step builder refuses it.
   When torch fixes this the control fails, and the guard can go.
 
@@ -26,7 +26,7 @@ import pipeline_grads_worker
 import pytest
 
 from trainer.config.schedules import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from trainer.diagnostics import spawn_local
+from trainer.diagnostics import spawn_local_jobs
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -35,9 +35,8 @@ REL = 1e-5
 FSDP_CASES = [(s, 1) for s in ZERO_BUBBLE_SCHEDULES] + [("DualPipeV", 2), ("ZBVZeroBubble", 2)]
 
 
-def _run(world: int, cases: list[dict]) -> dict[tuple, list[dict]]:
+def _by_case(results: list[dict]) -> dict[tuple, list[dict]]:
     """Results by (schedule, ep, negative_control), each a list over the ranks."""
-    results = spawn_local(pipeline_grads_worker.run, world, cases, results=world * len(cases), timeout=600)
     by_case: dict[tuple, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["rank"]):
         case = r["case"]
@@ -65,11 +64,27 @@ def _recomputes(calls: dict) -> list[int]:
     return [n - 1 for n in calls.values()]
 
 
-def test_every_schedule_matches_one_process():
-    cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="none") for s in PP_SCHEDULES]
-    cases += [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="full")
-              for s in ZERO_BUBBLE_SCHEDULES]
-    results = _by_ac(spawn_local(pipeline_grads_worker.run, 2, cases, results=2 * len(cases), timeout=600))
+@pytest.fixture(scope="module")
+def jobs(selected) -> dict[str, list[dict]]:
+    """The selected tests' jobs in one spawn (4 ranks with the FSDP cases, else 2): each job's
+    results, one per case and rank. The 4-rank job first: ranks 2 and 3 then leave."""
+    jobs = {}
+    fsdp_tests = ("test_zero_bubble_under_fsdp_matches_one_process", "test_resharding_after_forward_is_wrong_and_refused")
+    if any(selected(f"test_pipeline_grads.py::{test}") for test in fsdp_tests):
+        cases = [dict(schedule=s, pp=2, dp_shard=2, ep=ep, negative_control=False) for s, ep in FSDP_CASES]
+        cases.append(dict(schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=True))
+        jobs["fsdp"] = (pipeline_grads_worker.run_job, (cases,), 4)
+    if selected("test_pipeline_grads.py::test_every_schedule_matches_one_process"):
+        cases = [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="none") for s in PP_SCHEDULES]
+        cases += [dict(schedule=s, pp=2, dp_shard=1, ep=1, negative_control=False, ac="full")
+                  for s in ZERO_BUBBLE_SCHEDULES]
+        jobs["schedules"] = (pipeline_grads_worker.run_job, (cases,), 2)
+    out = spawn_local_jobs(jobs, max(job[2] for job in jobs.values()), timeout=900)
+    return {name: [r for rank in got for r in rank] for name, got in out.items()}
+
+
+def test_every_schedule_matches_one_process(jobs):
+    results = _by_ac(jobs["schedules"])
     for schedule in PP_SCHEDULES:
         _assert_matches(results[schedule, "none"])
     for schedule in ZERO_BUBBLE_SCHEDULES:
@@ -95,10 +110,8 @@ def test_every_schedule_matches_one_process():
 
 
 @pytest.fixture(scope="module")
-def fsdp_results():
-    cases = [dict(schedule=s, pp=2, dp_shard=2, ep=ep, negative_control=False) for s, ep in FSDP_CASES]
-    cases.append(dict(schedule="DualPipeV", pp=2, dp_shard=2, ep=1, negative_control=True))
-    return _run(4, cases)
+def fsdp_results(jobs):
+    return _by_case(jobs["fsdp"])
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 `run_reference()` trains a small DeepSeek-V3 (dense + MoE block, MTP, document-causal mask) for
 STEPS steps in this process; `train_layout(layout)`, on every rank of a gloo process group of the
 layout's world size (tests/distributed/parity_worker.py runs it beside the Trainer's layouts, in
-the same launch), trains the same model on the same data. Both return per-step (loss, grad_norm).
+the same process group), trains the same model on the same data. Both return per-step (loss, grad_norm).
 
 Data: GLOBAL_BATCH sequences per step. Data ranks ("dp" mesh) split the sequences; context
 ranks (cp, or ep with ep_as_cp) split each sequence in head-tail chunks. The loss of each rank

@@ -1,4 +1,4 @@
-"""One run, any layout, through run_train.sh as a user runs it (gloo on CPU, fp32, deterministic).
+"""One run, any layout, as run_train.sh's workers run it (gloo on CPU, fp32, deterministic).
 
 The same config with ``--training.global_batch_size 8`` gives the same per-step losses, gradient
 norms (over the warmup) and validation losses on 1 process and in every layout: the loader's
@@ -11,14 +11,17 @@ Interleaved1F1B pp 2 (four stages). The zero-bubble schedules run with FSDP, HSD
 dimension, EP, CP and Engram's split tables; every activation checkpointing mode under every
 schedule: tests/distributed/test_ac_schedules.py (one launch per world size, not one per layout).
 
-Launches are the suite's cost (each process spends ~4 s importing torch), so runs are shared between
-tests through a module-scoped cache and one launch proves several things: the four 10-step
+Starting processes is the suite's cost (each spends ~4 s importing torch), so runs are shared
+between tests through one module-scoped fixture and one run proves several things: the four 10-step
 checkpointed runs (STRAIGHT) check their layout's parity on all ten steps, and the layouts a
 checkpoint is resumed into (RESUMED_INTO) check theirs on the resumed steps 6-10 and the step-10
-validation, against the 1-process run's, instead of a 5-step launch of their own. The 1-process
-runs go through `trainer.train.main` in this process (see `_run`). Layouts other run_train.sh
-tests train: FSDP 4 x EP 2 and HSDP 2x2 (tests/e2e/test_muon_train.py), EP-as-CP across two
-nodes with TP (tests/e2e/test_multinode.py) and under each pipeline stage here (pp_2_ep_2_as_cp).
+validation, against the 1-process run's, instead of a 5-step run of their own. Six runs go
+through run_train.sh as a user launches them (LAUNCHED: FSDP, 1F1B pp, both, HSDP x EP resuming
+FSDP's checkpoint, DualPipeV x FSDP x EP with the MoE overlap, EP-as-CP under pp); the 1-process
+runs call `trainer.train.main` in this process (tests/e2e/in_process.py `run_main`), every other
+run calls it in the ranks of one 4-process spawn (tests/e2e/layout_parity_worker.py), as a
+torchrun worker does. Layouts other run_train.sh tests train: FSDP 4 x EP 2 and HSDP 2x2
+(tests/e2e/test_muon_train.py), EP-as-CP across two nodes with TP (tests/e2e/test_multinode.py).
 
 Bound: rel 1e-5 (sharding only reorders fp32 sums; observed ~1e-7). The debug model at seq_len 32
 keeps each run to seconds.
@@ -29,8 +32,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import layout_parity_worker
 import pytest
-from in_process import COMMON, assert_close, run_layout
+from in_process import COMMON, assert_close, metrics_by_step, run_layout
+
+from trainer.diagnostics import spawn_local_jobs
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
 
@@ -127,40 +133,99 @@ ENGRAM_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``runs(name, nproc, args)``: each distinct run once per module."""
-    tmp = tmp_path_factory.mktemp("layout_parity")
-    cache: dict[str, dict[int, dict]] = {}
-
-    def get(name: str, nproc: int, args: list[str], start_from: Path | None = None) -> dict[int, dict]:
-        if name not in cache:
-            run_dir = tmp / name
-            if start_from is not None:
-                shutil.copytree(start_from, run_dir / "checkpoint" / start_from.name)
-            cache[name] = run_layout(run_dir, nproc, args)
-        return cache[name]
-
-    get.root = tmp
-    return get
+# Runs through run_train.sh (its pre-launch check, torchrun and its workers), as a user launches
+# them: a 2- and a 4-process straight run of each family (FSDP, 1F1B pp, both) whose checkpoints
+# the other layouts resume, HSDP x EP resuming FSDP's checkpoint, DualPipeV x FSDP x EP with the
+# MoE overlap and EP-as-CP under pp. Every other multi-process run calls the same
+# `trainer.train.main` in the ranks of one 4-process spawn (tests/e2e/layout_parity_worker.py):
+# each launch would spend ~20 s of CPU starting torchrun and importing torch in every process,
+# more than the run itself. HSDP x EP and EP-as-CP cannot follow another layout in the same
+# processes (their expert weights' init then resolves a process group of the run before; also
+# tests/distributed/muon_owner_worker.py, "hsdp_2x2"): a user's process runs one layout.
+LAUNCHED = (
+    "fsdp_2_straight",
+    "pp_2_straight",
+    "pp_2_fsdp_2_straight",
+    "fsdp_2_resumed_hsdp_2x2_ep_2",
+    "pp_2_dualpipev_fsdp_2_ep_2_moe_overlap",
+    "pp_2_ep_2_as_cp",
+)
 
 
 def _layout(name: str) -> tuple[int, list[str]]:
     return SINGLE if name == "single" else LAYOUTS[name]
 
 
+def _straight_name(name: str) -> str:
+    """The run of `name`'s 10 steps, checkpointed at step 5 and 10."""
+    return f"{name}_straight"
+
+
+def _resumed_name(source: str, layout: str) -> str:
+    """The run of `layout` resuming `source`'s 10-step run from its step-5 checkpoint, to step 10."""
+    return f"{source}_resumed_{layout}"
+
+
+def _plan() -> dict[str, tuple[int, list[str], str | None]]:
+    """Every run of the module: name -> (processes, arguments, the run whose step-5 checkpoint it
+    resumes or None), each source before the runs that resume it."""
+    plan: dict[str, tuple[int, list[str], str | None]] = {}
+    for name in STRAIGHT:
+        nproc, flags = _layout(name)
+        plan[_straight_name(name)] = (nproc, [*RESUME, *flags], None)
+    for source, layout in RESUMES:
+        nproc, flags = _layout(layout)
+        plan[_resumed_name(source, layout)] = (nproc, [*RESUME, *flags], _straight_name(source))
+    for name, (nproc, flags) in LAYOUTS.items():
+        if name not in STRAIGHT and name not in RESUMED_INTO:
+            plan[name] = (nproc, [*PARITY, *flags], None)
+    plan["engram_single"] = (SINGLE[0], [*PARITY, *ENGRAM, *SINGLE[1]], None)
+    for name, (nproc, flags) in ENGRAM_LAYOUTS.items():
+        plan[name] = (nproc, [*PARITY, *flags], None)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """Run name -> its records by step, and ``.root``: the folder holding each run's dump folder.
+    One-process runs in this process, then the LAUNCHED runs (the checkpoints' sources among them),
+    then all the other runs in one spawn of 4 ranks, each on the first ranks it needs."""
+    root = tmp_path_factory.mktemp("layout_parity")
+    plan = _plan()
+    for name, (nproc, args, source) in plan.items():
+        if source is not None:
+            step5 = root / source / "checkpoint" / "step-5"
+            shutil.copytree(step5, root / name / "checkpoint" / step5.name)
+        if nproc == 1 or name in LAUNCHED:
+            run_layout(root / name, nproc, args)
+    # The 4-process runs first: ranks 2 and 3 then leave while ranks 0 and 1 run the 2-process
+    # ones, instead of waiting in the next 4-process run's rendezvous.
+    spawned = sorted((name for name, (nproc, _, _) in plan.items() if nproc > 1 and name not in LAUNCHED),
+                     key=lambda name: -plan[name][0])
+    jobs = {
+        name: (layout_parity_worker.run, (str(root), ["--job.dump_folder", str(root / name), *plan[name][1]]),
+               plan[name][0])
+        for name in spawned
+    }
+    codes = spawn_local_jobs(jobs, 4, timeout=1800)
+    assert all(set(job) == {0} for job in codes.values()), codes
+    records = RunRecords({name: metrics_by_step(root / name) for name in plan})
+    records.root = root
+    return records
+
+
+class RunRecords(dict):
+    """The runs' records by name; ``root``: the folder of their dump folders."""
+
+    root: Path
+
+
 def _straight(runs, name: str) -> dict[int, dict]:
-    """`name`'s 10-step run, checkpointed at step 5 and 10."""
-    nproc, flags = _layout(name)
-    return runs(f"{name}_straight", nproc, [*RESUME, *flags])
+    return runs[_straight_name(name)]
 
 
 def _resumed(runs, source: str, layout: str) -> dict[int, dict]:
-    """`layout` resuming `source`'s 10-step run from its step-5 checkpoint, to step 10."""
-    _straight(runs, source)
-    step5 = runs.root / f"{source}_straight" / "checkpoint" / "step-5"
-    nproc, flags = _layout(layout)
-    return runs(f"{source}_resumed_{layout}", nproc, [*RESUME, *flags], start_from=step5)
+    return runs[_resumed_name(source, layout)]
 
 
 def _parity_run(runs, name: str) -> tuple[dict[int, dict], range, tuple[int, ...]]:
@@ -169,8 +234,7 @@ def _parity_run(runs, name: str) -> tuple[dict[int, dict], range, tuple[int, ...
         return _straight(runs, name), range(1, 11), (0, 5, 10)
     if name in RESUMED_INTO:
         return _resumed(runs, RESUMED_INTO[name], name), range(6, 11), (10,)
-    nproc, flags = _layout(name)
-    return runs(name, nproc, [*PARITY, *flags]), range(1, 6), (0, 5)
+    return runs[name], range(1, 6), (0, 5)
 
 
 def _assert_parity(
@@ -203,9 +267,7 @@ def test_losses_and_validation_match_one_process(runs, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ENGRAM_LAYOUTS))
 def test_engram_pipeline_matches_one_process(runs, layout):
-    single = runs("engram_single", SINGLE[0], [*PARITY, *ENGRAM, *SINGLE[1]])
-    nproc, flags = ENGRAM_LAYOUTS[layout]
-    got = runs(layout, nproc, [*PARITY, *flags])
+    single, got = runs["engram_single"], runs[layout]
     # Gradient norms at steps 1 and 2 only, by the arithmetic (docs/engram.md, "Parity with one
     # process"): step 1's gradients differ from one process's by the order of their fp32 sums
     # alone, and step 2's also by the first Adam update, g / (|g| + eps) per entry, which moves the
@@ -226,7 +288,7 @@ def test_checkpoint_resumes_in_another_layout(runs, source, layout):
     assert sorted(s for s in resumed if "loss" in resumed[s]) == list(range(6, 11))
     for step in range(6, 11):
         assert_close(f"{source} resumed in {layout}, step {step}", resumed[step]["loss"], straight[step]["loss"])
-    log = (runs.root / f"{source}_resumed_{layout}" / "train.log").read_text()
+    log = (runs.root / _resumed_name(source, layout) / "train.log").read_text()
     assert "resumed from" in log and "not restored" not in log and "restart from the seed" not in log
 
 
@@ -234,8 +296,7 @@ def test_checkpoint_resumes_in_another_layout(runs, source, layout):
 def test_pp_2_checkpoint_exports_to_hf(runs, tmp_path):
     """A pipelined run's checkpoint holds the whole model under its global names: the HF export
     of it has every weight, the first stage's embedding and the last stage's head and MTP block."""
-    _straight(runs, "pp_2")
-    step10 = runs.root / "pp_2_straight" / "checkpoint" / "step-10"
+    step10 = runs.root / _straight_name("pp_2") / "checkpoint" / "step-10"
     proc = subprocess.run(
         ["python", str(REPO / "scripts" / "convert_hf.py"), "export", str(step10), str(tmp_path / "hf")],
         cwd=REPO, capture_output=True, text=True, timeout=300,
