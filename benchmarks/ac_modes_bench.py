@@ -7,7 +7,7 @@ mode: none, full, selective (every block: the same as full for one block, so lef
 part alone; ``+`` joins names into one entry: ``layernorm+moe_act``). Memory is torch's ``MemTracker`` (the dry run's tracker, trainer/dry_run.py) on the
 CPU: the tensors alive after the forward that were not before it (what the block holds for its
 backward, its output included) and the peak over forward and backward. The estimator's figure
-for the same block and mode (trainer/activation_memory.py ``block_activation_bytes``) is printed beside it.
+for the same block and mode (trainer/planning/activation_memory.py ``block_activation_bytes``) is printed beside it.
 Times are the median of ``--repeats`` forward + backward runs, interleaved round by round so
 machine noise hits every mode alike.
 
@@ -29,9 +29,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from models.common.rope import precompute_freqs_cis
 from models.deepseek_v3 import get_flavor
 from models.deepseek_v3.model import TransformerBlock
-from trainer.activation_memory import block_activation_bytes
 from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from trainer.planning.activation_memory import block_activation_bytes
 
 MiB = 1024**2
 DEFAULT_SETS = ["deepseek", "megatron_dsv3", "layernorm", "mla_up_proj", "moe_act", "core_attn", "shared_experts"]
@@ -87,7 +87,7 @@ def run(args) -> list[dict]:
             (out.float().square().mean() + aux).backward()
             peak = _bytes(tracker, "peak") - before
         tokens = args.batch * args.seq_len
-        # op: the estimator's modules with the cheap parts (trainer/activation_memory.py `recomputed_parts`).
+        # op: the estimator's modules with the cheap parts (trainer/planning/activation_memory.py `recomputed_parts`).
         chosen = recompute_module_set(parts[0].split("+")) if mode == "modules" else CHEAP_PARTS if mode == "op" else ()
         estimate = block_activation_bytes(margs, not args.dense, "modules" if chosen else mode, chosen) * tokens
         rows.append(

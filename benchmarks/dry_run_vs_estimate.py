@@ -1,4 +1,4 @@
-"""The memory estimator (trainer/memory.py) against the dry run's tracked peak (trainer/dry_run.py),
+"""The memory estimator (trainer/planning/memory.py) against the dry run's tracked peak (trainer/dry_run.py),
 per rank, for the debug model, proxy_1b and 671B in four layouts each; and, for small worlds, the
 dry run against a real gloo run of the same layout tracked by the same code (its second step on
 real tensors).

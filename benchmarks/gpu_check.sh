@@ -8,7 +8,7 @@
 #
 # Measurements (each a benchmark of this repository; its JSON and log land in $GPU_CHECK_OUT):
 #   A  step_bench proxy_1b, bf16, compile, batch 4 x 4096, with --profile: tokens/s, MFU, peak
-#      memory vs the trainer/memory.py estimate, kernel launches and host syncs of one step.
+#      memory vs the trainer/planning/memory.py estimate, kernel launches and host syncs of one step.
 #   B  step_bench 16B flavor (DeepSeek-V2-Lite widths, dim 2048) with n_layers=4, bf16, batch 2 x
 #      4096, compile: MFU.
 #   D  the same with float8 (routed experts too), in its own process (two such models and their

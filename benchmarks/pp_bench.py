@@ -23,7 +23,7 @@ so waiting for a neighbour's activations or gradients, the transfers and FSDP's 
 as bubble. Both are summed over the runs after the warm-up steps. The stage balance is each pipeline
 rank's share of the stage compute (of data rank 0's pipeline); a perfect split gives 1 / pp each.
 A schedule that fails is reported in its row and the others still run. Then the memory estimate
-(trainer/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs: DeepSeek's pp 16 x ep 64 layout under
+(trainer/planning/memory.py) of DeepSeek-V3 671B on ``--gpus`` GPUs: DeepSeek's pp 16 x ep 64 layout under
 DualPipeV, 1F1B and Interleaved1F1B, and the best layout without pipelining. Prints markdown tables
 and one JSON line.
 """
@@ -157,7 +157,7 @@ def memory_rows(gpus: int) -> list[dict]:
     """DeepSeek's layout (pp 16 x ep 64, data parallel over the rest) under DualPipeV, 1F1B and
     Interleaved1F1B, and the best layout without pipelining, on ``gpus`` GPUs: 32 one-sequence
     micro-batches per pipeline run (what DualPipeV's 32 stages need)."""
-    from trainer.memory import estimate
+    from trainer.planning.memory import estimate
 
     common = dict(flavor="671B", tp=1, cp=1, seq_len=4096, ac="full")
     pipelined = dict(dp_shard=gpus // 16, ep=64, local_batch_size=32)

@@ -22,8 +22,8 @@ import sys
 import time
 
 from models.deepseek_v3 import flops_per_token, get_flavor
-from trainer.layout_planner import find, plan_layouts
-from trainer.step_time import Hardware
+from trainer.planning.layout_planner import find, plan_layouts
+from trainer.planning.step_time import Hardware
 
 SEQ, BATCH = 4096, 4096
 RECIPES = [

@@ -28,7 +28,7 @@ allocator's peak during its timed steps minus what was allocated before the step
 variants' models share the device); on CPU, where torch keeps no allocator statistics, one extra
 untimed step under ``torch.profiler`` with ``profile_memory=True``, whose memory events carry
 the running total of bytes allocated since profiling started. Both count every byte torch
-allocates (activations, gradients, temporaries), i.e. what trainer/memory.py models;
+allocates (activations, gradients, temporaries), i.e. what trainer/planning/memory.py models;
 the process RSS would add the Python and library runtime.
 
     python benchmarks/step_bench.py                      # CPU: debugmodel, fp32, eager vs compile
@@ -53,8 +53,8 @@ from models.deepseek_v3 import get_flavor
 from trainer.config import load_config
 from trainer.data import build_tokenizer
 from trainer.diagnostics import ModelOverrideError, apply_overrides, profile_step, weight_cast_bytes
-from trainer.memory import estimate
 from trainer.model_args import build_model_args
+from trainer.planning.memory import estimate
 from trainer.runtime import resolve_path
 from trainer.trainer import Trainer
 
@@ -133,7 +133,7 @@ def state_bytes(trainer: Trainer) -> int:
 
 
 def memory_estimate_mib(trainer: Trainer, a) -> float | None:
-    """trainer/memory.py (scripts/estimate_memory.py) for this single-device config (AC none/full only)."""
+    """trainer/planning/memory.py (scripts/estimate_memory.py) for this single-device config (AC none/full only)."""
     if a.ac not in ("none", "full"):
         return None
     m = trainer.cfg.model
@@ -409,7 +409,7 @@ def markdown(result: dict) -> str:
         ratios = ", ".join(
             f"{n} {r['estimate_vs_measured']:.3f}" for n, r in result["variants"].items() if "estimate_vs_measured" in r
         )
-        lines += ["", f"trainer/memory.py estimate: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
+        lines += ["", f"trainer/planning/memory.py estimate: {result['memory_estimate_mib']:.1f} MiB; estimate / measured: "
                       f"{ratios or 'n/a'}"]
     profiled = {n: r for n, r in result["variants"].items() if "profile" in r}
     for name, r in profiled.items():

@@ -1,4 +1,4 @@
-"""Per-GPU memory estimate of a DeepSeek-V3 training layout (the model: trainer/memory.py).
+"""Per-GPU memory estimate of a DeepSeek-V3 training layout (the model: trainer/planning/memory.py).
 
     python scripts/estimate_memory.py --flavor 671B --dp_shard 512 --ep 64 --tp 1 \
         --seq_len 4096 --local_batch_size 1 --ac full
@@ -8,7 +8,7 @@
     python scripts/estimate_memory.py --flavor 671B --pp 16 --pp_schedule DualPipeV --pp_microbatches 32 \
         --dp_shard 128 --ep 64 --seq_len 4096 --local_batch_size 32 --ac full
 
-What is counted and what is not is in trainer/memory.py's docstring; the trainer itself refuses a
+What is counted and what is not is in trainer/planning/memory.py's docstring; the trainer itself refuses a
 run whose estimate exceeds the device's free memory before building the model.
 """
 
@@ -24,7 +24,7 @@ from trainer.config import ConfigError
 from trainer.config.activation_checkpoint import RECOMPUTE_MODULES, RECOMPUTE_SETS, ACMode
 from trainer.config.pipeline_layout import PipelinePlan
 from trainer.config.schedules import PP_SCHEDULES
-from trainer.memory import ACT_BYTES, estimate
+from trainer.planning.memory import ACT_BYTES, estimate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,9 +4,9 @@
         --seq-len 4096 --global-batch 4096
 
 Enumerates every layout the pre-launch check accepts (dp_replicate, dp_shard, tp, cp, ep, pp,
-schedule, micro-batches, activation checkpointing; trainer/layout_planner.py), drops those whose
-memory estimate (trainer/memory.py, plus 6 GiB for the CUDA context, NCCL and fragmentation) does
-not fit, and ranks the rest by the step-time model (trainer/step_time.py, docs/performance.md).
+schedule, micro-batches, activation checkpointing; trainer/planning/layout_planner.py), drops those whose
+memory estimate (trainer/planning/memory.py, plus 6 GiB for the CUDA context, NCCL and fragmentation) does
+not fit, and ranks the rest by the step-time model (trainer/planning/step_time.py, docs/performance.md).
 Prints the top ``--top`` with their memory, step time, shares of exposed communication and of
 the pipeline bubble, and the run_train.sh flags. ``--set name=value`` overrides a constant of
 the model (``--set peak_flops=2.25e15 --set network_bytes_per_s=1e11`` for another GPU and
@@ -22,8 +22,8 @@ import sys
 
 from models.deepseek_v3 import flavor_names
 from trainer.config import ConfigError
-from trainer.layout_planner import check_flags, find, plan_layouts
-from trainer.step_time import Hardware
+from trainer.planning.layout_planner import check_flags, find, plan_layouts
+from trainer.planning.step_time import Hardware
 
 RECIPE_KEYS = ("pp", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "dp_replicate", "dp_shard", "cp", "tp",
                "ep", "ep_as_cp", "local_batch_size", "ac", "recompute_modules", "moe_overlap")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step; 0 = 2 x gpus")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a step-time constant (trainer/step_time.py Hardware)")
+                   help="override a step-time constant (trainer/planning/step_time.py Hardware)")
     p.add_argument("--recipe", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="also report the rank of the best layout with these fields, by their config names "
                         "(e.g. pp=16,ep=64,pp_schedule=DualPipeV)")

@@ -7,7 +7,7 @@ rank, then runs one step's forwards, backwards and optimizer step, and reports
 
 * the rank's peak tensor memory by category (``MemTracker``: parameters, gradients, optimizer
   states, activations and temporaries, communication buffers) beside the estimator's figure
-  (trainer/memory.py);
+  (trainer/planning/memory.py);
 * every collective of the step: its name, group size, count and bytes.
 
 How one process stands for 2048 (docs/planning.md):
@@ -59,11 +59,11 @@ from trainer.config.layout import Layout
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.diagnostics.memory_tracker import own_shape_propagation, track_step
 from trainer.distributed import destroy_distributed
-from trainer.layout_planner import RESERVE_GIB
-from trainer.memory import check_fits
 from trainer.model_args import build_model_args, resolve_flavor
 from trainer.parallel.expert_parallel import AllToAllTokenDispatcher
 from trainer.parallel.pipeline_step import PipelineStep
+from trainer.planning.fit_check import check_fits
+from trainer.planning.layout_planner import RESERVE_GIB
 from trainer.progress import phase
 from trainer.runtime import resolve_path
 from trainer.trainer import Trainer
@@ -328,7 +328,7 @@ def format_report(r: dict) -> str:
         f"  peak tensor memory {m['total']:.2f} GiB: parameters {m['params']:.2f}, gradients {m['grads']:.2f}, "
         f"optimizer states {m['optimizer_states']:.2f}, activations {m['activations']:.2f}, "
         f"backward temporaries {m['temporaries']:.2f}, communication buffers {m['comm_buffers']:.2f}",
-        f"  estimator (trainer/memory.py): {r['estimate_gib']['tensors']:.2f} GiB of tensors "
+        f"  estimator (trainer/planning/memory.py): {r['estimate_gib']['tensors']:.2f} GiB of tensors "
         f"({r['estimate_gib']['cuda']:.2f} GiB on a CUDA device with its allocator and workspace terms)",
         "  collectives of one step (group size, count, total and largest bytes):",
         *(
@@ -347,9 +347,9 @@ def format_report(r: dict) -> str:
 
 def cuda_terms_gib(cuda_estimate: dict) -> dict[str, float]:
     """What a GPU needs beyond the tensors the dry run measures (GiB): the estimator's CUDA terms
-    (trainer/memory.py: the caching allocator's rounding of the parameter-like tensors, the cuBLAS
+    (trainer/planning/memory.py: the caching allocator's rounding of the parameter-like tensors, the cuBLAS
     workspace) and the planner's reserve for what torch's allocator does not hold (CUDA context,
-    NCCL buffers, fragmentation; trainer/layout_planner.py)."""
+    NCCL buffers, fragmentation; trainer/planning/layout_planner.py)."""
     g = cuda_estimate["gib"]
     return {
         "allocator rounding": g["allocator_rounding"],

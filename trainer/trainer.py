@@ -35,7 +35,6 @@ from trainer.distributed import (
 )
 from trainer.fault_tolerance import NonFiniteGuard, StopRequest
 from trainer.launch_files import previous_attempt_failure
-from trainer.memory import GiB, check_fits
 from trainer.metrics import (
     MetricsLogger,
     ThroughputWindow,
@@ -50,6 +49,8 @@ from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.qk_clip import QKClip
 from trainer.parallel import ParallelDims, build_loss_function, materialize, parallelize_model
 from trainer.parallel.replica_groups import LiveState, build_replica_groups
+from trainer.planning.fit_check import check_fits
+from trainer.planning.memory import GiB
 from trainer.profiling import Profiler, StepBreakdown
 from trainer.run_folder import open_run_folder
 from trainer.run_header import log_run_header

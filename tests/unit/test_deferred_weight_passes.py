@@ -11,11 +11,11 @@ from torch.utils.checkpoint import GraphExecGroup
 
 from models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from models.moe import MoEArgs
-from trainer.activation_memory import block_activation_bytes, weight_grad_output_bytes
 from trainer.diagnostics import StepMemTracker
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.parallelize import materialize
 from trainer.parallel.pipeline_step import cap_deferred_weight_passes
+from trainer.planning.activation_memory import block_activation_bytes, weight_grad_output_bytes
 
 ROWS, SEQ = 4, 128
 

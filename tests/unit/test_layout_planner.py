@@ -1,4 +1,4 @@
-"""The layout planner (trainer/layout_planner.py) and its step-time model (trainer/step_time.py)."""
+"""The layout planner (trainer/planning/layout_planner.py) and its step-time model (trainer/planning/step_time.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from models.deepseek_v3 import get_flavor
 from trainer.config import ConfigError, load_config
 from trainer.config.pipeline_layout import PipelinePlan
-from trainer.layout_planner import RESERVE_GIB, check_flags, find, plan_layouts
-from trainer.step_time import (
+from trainer.planning.layout_planner import RESERVE_GIB, check_flags, find, plan_layouts
+from trainer.planning.step_time import (
     Hardware,
     ModelFigures,
     Plan,
@@ -100,7 +100,7 @@ def test_check_flags_refuses_what_the_config_refuses(debug_plan):
 def test_a_plan_holds_its_pipeline_plan_and_its_flags_give_it_back():
     """The planner's layouts carry a `PipelinePlan` (the one reader of the pp* options): the printed
     flags, read back by the config loader, are the same plan."""
-    from trainer.layout_planner import Ranked
+    from trainer.planning.layout_planner import Ranked
 
     pipeline = PipelinePlan(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, pp_microbatches=4)
     plan = Plan(4, 1, 2, 1, 1, 2, pipeline, 4, 1, 32, "full")
@@ -116,7 +116,7 @@ def test_ep_as_cp_is_enumerated_and_its_latent_exchange_timed():
     """ep_as_cp layouts are candidates where the layout checks allow them (cp 1, ep > 1), with the
     data ranks the layout gives (dp_shard / ep), and the step-time model times the context
     exchange over the ep group, which plain ep does not have."""
-    from trainer.layout_planner import candidates
+    from trainer.planning.layout_planner import candidates
 
     plans = list(candidates("debugmodel", 4, 8, 32, 8))
     as_cp = [p for p in plans if p.ep_as_cp]
@@ -131,11 +131,11 @@ def test_ep_as_cp_is_enumerated_and_its_latent_exchange_timed():
 
 def test_pruning_ranks_exactly_as_estimating_every_layout(monkeypatch):
     """The planner skips the estimate of layouts whose states alone cannot fit (``prune``) and shares
-    each group's repeated figures (``memo``, trainer/memory.py ``EstimateCache``): the same layouts,
+    each group's repeated figures (``memo``, trainer/planning/memory.py ``EstimateCache``): the same layouts,
     memory figures, step times and order as the straightforward enumeration (every layout
     estimated on its own), with fewer estimates. 16B on 16 GPUs with 40 GiB, where the HSDP-heavy
     layouts' states exceed the GPU."""
-    import trainer.layout_planner as planner
+    import trainer.planning.layout_planner as planner
 
     calls = {"estimate": 0}
     real = planner.estimate
@@ -158,7 +158,7 @@ def test_each_named_recompute_set_is_enumerated_and_its_flags_load():
     """The planner lists no checkpointing, full, and ``modules`` with each named set (DeepSeek's and
     Megatron's), and moe_overlap exactly where the config takes it (DualPipeV, no AC, ep > 1, tp
     and cp 1): the printed flags of each load and pass the pre-launch check."""
-    from trainer.layout_planner import Ranked, candidates
+    from trainer.planning.layout_planner import Ranked, candidates
 
     plans = list(candidates("debugmodel", 4, 8, 32, 8))
     modes = {(p.ac, p.recompute_modules) for p in plans}
@@ -209,7 +209,7 @@ def test_recompute_flops_per_mode_are_the_recomputed_parts(figures_671b):
     assert selective[1] == sum(figures.block_forward[0 : args.n_layers : 2])
     # Under pp the count restarts on each rank (one stage each here): 16 stages of 3-5 blocks at
     # N = 3 checkpoint each stage's first and fourth, more blocks than every third of the model (21).
-    from trainer.step_time import _selective_blocks
+    from trainer.planning.step_time import _selective_blocks
 
     stages = plan.pipeline.split(args.n_layers, args.mtp_depth, figures.costs)
     staged = _selective_blocks(args, replace(plan, ac="selective", selective_every=3), figures)
@@ -244,7 +244,7 @@ def test_dualpipev_pairs_and_split_backwards_are_torchs(pp, microbatches):
 
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
 
-    from trainer.step_time import _dualpipev_counts
+    from trainer.planning.step_time import _dualpipev_counts
 
     schedule = SimpleNamespace(pp_group_size=pp, _n_microbatches=microbatches)
     for rank, counted in enumerate(_dualpipev_counts(pp, microbatches)):

@@ -1,4 +1,4 @@
-"""trainer/memory.py: the CUDA terms of the estimate and the refusal of a run that cannot fit."""
+"""trainer/planning/memory.py: the CUDA terms of the estimate and the refusal of a run that cannot fit."""
 
 import pytest
 import torch
@@ -7,8 +7,9 @@ from models.deepseek_v3 import DeepSeekV3Model, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
 from trainer.config import ConfigError, load_config
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
-from trainer.memory import EstimateCache, GiB, MiB, available_bytes, check_fits, cuda_block_bytes, estimate
 from trainer.parallel.parallel_dims import ParallelDims
+from trainer.planning.fit_check import available_bytes, check_fits
+from trainer.planning.memory import EstimateCache, GiB, MiB, cuda_block_bytes, estimate
 
 
 def test_cuda_allocator_rounding():
@@ -109,7 +110,7 @@ def test_the_trainer_asks_before_the_build_unless_switched_off(tmp_path):
 @pytest.mark.parametrize("flavor", ["proxy_1b", "16B"])  # with and without the query bottleneck
 def test_allocator_rounding_sees_the_blocks_real_tensors(flavor):
     """The CUDA rounding term rounds each parameter tensor: its list must be the module's."""
-    from trainer.memory import _block_tensor_numels
+    from trainer.planning.memory import _block_tensor_numels
 
     args = get_flavor(flavor)
     with torch.device("meta"):
@@ -174,7 +175,7 @@ def test_pipeline_stages_stay_unsharded_through_the_step(mixed_precision):
     FSDP buffers, keeping one block's fp32 reduce-scatter buffer."""
     from models.deepseek_v3.stats import stage_unit_costs
     from trainer.config.pipeline_layout import PipelineCosts, rank_stages, split_stages, stage_ranks
-    from trainer.memory import ACT_BYTES, _block_params
+    from trainer.planning.memory import ACT_BYTES, _block_params
 
     layout = {"flavor": "debugmodel", "dp_shard": 2, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 8,
               "ac": "none", "device_type": "cpu", "mixed_precision": mixed_precision}
@@ -237,9 +238,9 @@ def test_zero_bubble_with_full_ac_holds_the_weight_pass_recomputes():
     block once) of its largest stage's activations without checkpointing, and still needs less with
     full AC than without (torch's own weight pass, recomputing per parameter group, needed more)."""
     from models.deepseek_v3.stats import stage_unit_costs
-    from trainer.activation_memory import layer_activation_bytes
     from trainer.config.pipeline_layout import PipelineCosts
-    from trainer.memory import ZB_WEIGHT_PASS_RECOMPUTES
+    from trainer.planning.activation_memory import layer_activation_bytes
+    from trainer.planning.memory import ZB_WEIGHT_PASS_RECOMPUTES
 
     layout = {"flavor": "debugmodel", "dp_shard": 1, "ep": 1, "tp": 1, "cp": 1, "seq_len": 256, "local_batch_size": 2,
               "device_type": "cpu", "mixed_precision": "float32"}
@@ -268,7 +269,7 @@ def test_a_rank_running_every_forward_first_peaks_before_its_accumulators():
     block ahead and keeps the root unsharded, and no accumulator exists; once they exist the first
     backward has freed a micro-batch (the dry run of the debug model's pp 2 1F1B rank 0: 1.19 of it
     when both were held with every micro-batch, benchmarks/RESULTS.md)."""
-    from trainer.memory import _block_params, _estimate_share
+    from trainer.planning.memory import _block_params, _estimate_share
 
     a = get_flavor("debugmodel")
     layers = list(range(3))
@@ -294,7 +295,7 @@ def test_micro_batches_in_flight_follow_each_schedules_warm_up():
     proxy_1b's last Interleaved1F1B rank: 0.985 with it, 1.66 with pp everywhere)."""
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
-    from trainer.memory import _in_flight
+    from trainer.planning.memory import _in_flight
 
     def depths(schedule: str, v: int, m: int) -> list[float]:
         return [_in_flight(PipelinePlan(4, schedule, v, m), r) for r in range(4)]
@@ -312,7 +313,7 @@ def test_late_backward_without_pp_holds_the_fsdp_root_and_the_output_logits():
     activations and its FSDP buffers, the logits the step keeps through backward (compute dtype, per
     head use), and under FSDP the root's unsharded embedding and head and their unsharded gradients
     (compute dtype; the root is not resharded after forward): the 671B FSDP 256 dry run's peak."""
-    from trainer.activation_memory import layer_activation_bytes
+    from trainer.planning.activation_memory import layer_activation_bytes
 
     a = get_flavor("671B")
     est = estimate("671B", 256, 64, 1, 1, 4096, 1, "full", device_type="cpu")["gib"]
@@ -355,9 +356,9 @@ def test_what_the_blocks_hold_for_backward_is_the_estimators_per_mode(mode):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from models.common.rope import precompute_freqs_cis
-    from trainer.activation_memory import block_activation_bytes, checkpointed_blocks, layer_activation_bytes
     from trainer.config.activation_checkpoint import CHEAP_PARTS, recompute_module_set
     from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+    from trainer.planning.activation_memory import block_activation_bytes, checkpointed_blocks, layer_activation_bytes
 
     batch, seq = 2, 64
     a = dataclasses.replace(get_flavor("debugmodel"), max_seq_len=seq)
@@ -406,7 +407,7 @@ def test_what_a_block_saves_for_backward_is_the_estimators(dtype):
     import dataclasses
 
     from models.common.rope import precompute_freqs_cis
-    from trainer.activation_memory import layer_activation_bytes
+    from trainer.planning.activation_memory import layer_activation_bytes
 
     seq, act_bytes = 64, torch.empty((), dtype=dtype).element_size()
     a = dataclasses.replace(get_flavor("debugmodel"), max_seq_len=seq)

@@ -216,7 +216,7 @@ def test_parameter_split_and_groups():
 @pytest.mark.parametrize("name,state_dtype", [("AdamW", "float32"), ("AdamW", "bfloat16"), ("muon", "float32"),
                                               ("muon", "bfloat16")])
 def test_memory_estimate_counts_the_optimizer_state(name, state_dtype):
-    from trainer.memory import GiB, estimate
+    from trainer.planning.memory import GiB, estimate
 
     args = get_flavor("debugmodel")
     model = DeepSeekV3Model(args)

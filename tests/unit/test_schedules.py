@@ -13,8 +13,8 @@ from trainer.config import ConfigError, load_config
 from trainer.config.check import main
 from trainer.config.pipeline_layout import PipelinePlan, schedule_problems, stage_ranks
 from trainer.config.schedules import PP_SCHEDULES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, schedule_facts
-from trainer.memory import estimate
-from trainer.step_time import bubble_fraction
+from trainer.planning.memory import estimate
+from trainer.planning.step_time import bubble_fraction
 
 
 def test_every_torch_schedule_has_a_record_that_agrees_with_torch():

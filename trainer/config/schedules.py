@@ -1,7 +1,7 @@
 """The pipeline schedules' facts, one record per schedule of `torch.distributed.pipelining`: the one
 place that says what a schedule is. The pre-launch check (pipeline_layout.py, combinations.py),
-the memory estimator (trainer/memory.py), the step-time model (trainer/step_time.py), the layout
-planner (trainer/layout_planner.py) and the pipeline runtime (trainer/parallel/pipeline_step.py)
+the memory estimator (trainer/planning/memory.py), the step-time model (trainer/planning/step_time.py), the layout
+planner (trainer/planning/layout_planner.py) and the pipeline runtime (trainer/parallel/pipeline_step.py)
 read a schedule's record through `schedule_facts`; none of them tests a schedule by name.
 
 Families: "single" schedules run one stage per rank; "looped" ones several stages per rank, stage
@@ -64,7 +64,7 @@ def _warmup_interleaved_1f1b(pp: int, micro: int, v: int, rank: int) -> float:
 
 # Bubble: idle time over useful time of one schedule run, as (pp, v, m, F, B, W) -> fraction, with F,
 # B, W one micro-batch's forward, input gradient and weight gradient on one stage, in units of F
-# (B + W = 2: trainer/step_time.py chooses B).
+# (B + W = 2: trainer/planning/step_time.py chooses B).
 def _bubble_1f1b(pp: int, v: int, m: int, f: float, b: float, w: float) -> float:
     """(p - 1) (F + B + W) per run of m micro-batches of (F + B + W): (p - 1) / m."""
     return (pp - 1) / m

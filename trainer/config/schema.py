@@ -161,7 +161,7 @@ class Training(Section):
     )
     check_memory_fit: bool = option(
         True,
-        "Before building the model, refuse a run whose memory estimate (trainer/memory.py) exceeds the free "
+        "Before building the model, refuse a run whose memory estimate (trainer/planning/memory.py) exceeds the free "
         "device memory; --no-training.check_memory_fit when the estimate is wrong for your setup",
     )
     time_limit_minutes: float = option(0.0, "Save a checkpoint and stop after this many minutes; 0 = no limit")

@@ -13,7 +13,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import _sharding_prop
 
 from trainer.diagnostics.collectives import CollectiveRecorder
-from trainer.memory import GiB
+from trainer.planning.memory import GiB
 
 
 class _ForwardOnlyModTracker(ModTracker):

@@ -1,5 +1,5 @@
 """What a block holds for its backward, per local token, under each activation-checkpointing mode,
-and what a waiting weight pass holds: the activation side of the memory estimate (trainer/memory.py
+and what a waiting weight pass holds: the activation side of the memory estimate (trainer/planning/memory.py
 adds model states, buffers and the schedule's peaks). Torch-free arithmetic on the model's shapes.
 """
 

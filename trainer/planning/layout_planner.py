@@ -1,5 +1,5 @@
 """The layout planner: every layout of a model on N GPUs that the pre-launch check accepts, those
-the memory estimator fits on the GPUs, ranked by the step-time model (trainer/step_time.py).
+the memory estimator fits on the GPUs, ranked by the step-time model (trainer/planning/step_time.py).
 
 Candidates: pp over the divisors of N that leave every stage a block, with each schedule and its
 planned stages per rank (trainer/config/schedules.py: 1F1B, Interleaved1F1B with 2 or 4 stages per
@@ -35,9 +35,9 @@ from trainer.config.check import check_model_fit
 from trainer.config.layout import Layout, divisors
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 from trainer.config.schedules import SCHEDULES
-from trainer.memory import EstimateCache, estimate
+from trainer.planning.memory import EstimateCache, estimate
+from trainer.planning.step_time import Hardware, ModelFigures, Plan, step_time
 from trainer.progress import Progress, phase
-from trainer.step_time import Hardware, ModelFigures, Plan, step_time
 
 # GiB a GPU keeps outside torch's tensors: CUDA context, NCCL buffers, fragmentation
 # (scripts/estimate_memory.py's allowance).
@@ -152,7 +152,7 @@ def _split_string(args, pipeline: PipelinePlan, costs: PipelineCosts) -> str:
 
 def _states_gib(est: dict) -> float:
     """A lower bound of ``est``'s total: what its fullest rank holds whatever the batch (parameters,
-    optimizer states and gradients; trainer/memory.py adds only terms >= 0 to them)."""
+    optimizer states and gradients; trainer/planning/memory.py adds only terms >= 0 to them)."""
     g = est["gib"]
     return g["params"] + g["optimizer"] + g["grads"]
 
@@ -216,7 +216,7 @@ def _fitting(flavor: str, seq_len: int, gpu_memory_gib: float, hardware: Hardwar
     states = None  # the group's lower bound, from its first estimate
     fitting = []
     est = None
-    # The group's layouts repeat their ranks' states and block figures (trainer/memory.py).
+    # The group's layouts repeat their ranks' states and block figures (trainer/planning/memory.py).
     cache = EstimateCache(args) if memo else None
     for index, plan in group:
         if prune and states is not None and states + RESERVE_GIB > gpu_memory_gib:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, count_params, flops_per_token
 from models.deepseek_v3.stats import stage_unit_costs
-from trainer.activation_memory import checkpointed_blocks
 from trainer.config.activation_checkpoint import recompute_module_set
 from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.planning.activation_memory import checkpointed_blocks
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def _selective_blocks(args: DeepSeekV3ModelArgs, plan: Plan, figures: ModelFigur
     """The main blocks ``selective`` checkpoints: every ``selective_every``-th of each pp rank's,
     from its first, in the model's order (trainer/parallel/activation_checkpoint.py counts the
     blocks of the model a rank holds, all its stages' together; the estimator's own rule,
-    trainer/activation_memory.py ``checkpointed_blocks``); MTP's blocks never."""
+    trainer/planning/activation_memory.py ``checkpointed_blocks``); MTP's blocks never."""
     pipe = plan.pipeline
     held = [range(args.n_layers)]
     if pipe.enabled:

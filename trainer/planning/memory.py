@@ -8,7 +8,7 @@ master weights, fp32 gradients (FSDP reduces in fp32), AdamW's two moments (8 by
 in fp32, 4 with `optimizer.state_dtype = "bfloat16"`); under `optimizer.name = "muon"` the block
 matrices hold one momentum buffer instead (4 or 2 bytes), the rest AdamW's two moments.
 Activations are estimates of the tensors autograd saves per token and layer
-(listed in trainer/activation_memory.py `layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
+(listed in trainer/planning/activation_memory.py `layer_activation_bytes`), in bf16 (mixed precision bfloat16) or fp32;
 `ac="full"` keeps each block's input plus one block's activations during recompute; `ac="modules"`
 keeps what its per-op policy keeps (`block_activation_bytes`) plus one block's recomputed rest;
 `ac="op"` is `modules` with the cheap parts (norms, the experts' SwiGLU) chosen, the same policy;
@@ -74,23 +74,18 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-from pathlib import Path
 from typing import NamedTuple
-
-import torch
 
 from models.deepseek_v3 import DeepSeekV3ModelArgs, get_flavor
 from models.deepseek_v3.stats import stage_unit_costs
-from trainer.activation_memory import (
+from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
+from trainer.planning.activation_memory import (
     block_activation_bytes,
     checkpointed_blocks,
     layer_activation_bytes,
     recomputed_parts,
     weight_grad_output_bytes,
 )
-from trainer.config import ConfigError
-from trainer.config.pipeline_layout import PipelineCosts, PipelinePlan
 
 GiB = 1024**3
 ACT_BYTES = {"bfloat16": 2, "float32": 4}  # activations follow training.mixed_precision_param
@@ -555,65 +550,3 @@ def _memo(cache: EstimateCache | None, fn, a: DeepSeekV3ModelArgs, *args):
     if value is None:
         value = cache.figures[key] = fn(a, *args)
     return value
-
-
-def available_bytes(device: torch.device) -> tuple[int | None, str]:
-    """Memory a run on ``device`` can still take, and the device's name: free CUDA memory
-    (``torch.cuda.mem_get_info``) plus the blocks torch's caching allocator holds unused, or on
-    CPU the host's MemAvailable shared by the processes of this host (``LOCAL_WORLD_SIZE``).
-    None where the host does not say."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free + cached, f"{torch.cuda.get_device_name(device)} ({device})"
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    where = "this host's CPU memory" + (f" shared by {procs} processes" if procs > 1 else "")
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 // procs, where
-    except OSError:
-        pass
-    return None, where
-
-
-def check_fits(cfg, model_args: DeepSeekV3ModelArgs, dims, device: torch.device, available: int | None = None) -> dict:
-    """Refuses (ConfigError) a run whose estimated peak exceeds the memory available, before the
-    model is built; every activation-checkpointing mode estimated as it runs. Returns the estimate."""
-    t = cfg.training
-    where = str(device)
-    if available is None:
-        available, where = available_bytes(device)
-    ac = cfg.activation_checkpoint.mode
-    est = estimate(
-        cfg.model.flavor, dims.dp_shard, dims.ep, dims.tp, dims.cp, t.seq_len, t.local_batch_size, ac,
-        mixed_precision=t.mixed_precision_param, model_args=model_args, device_type=device.type,
-        block_causal_sdpa=cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa",
-        pipeline=dims.pipeline, optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
-        ep_as_cp=dims.ep_as_cp, recompute_modules=tuple(cfg.activation_checkpoint.recompute_modules),
-        selective_every=cfg.activation_checkpoint.selective_every,
-    )
-    need = est["gib"]["total"]
-    if available is not None and need * GiB > available:
-        g = est["gib"]
-        biggest = max(("layers", "logits_and_loss", "attention_mask", "params", "optimizer", "grads",
-                       "stage_unsharded_params", "stage_grad_accumulators"), key=g.get)
-        fixes = ["lower training.seq_len or training.local_batch_size"]
-        if ac != "full":
-            fixes.append("use activation_checkpoint.mode full")  # every other mode keeps more than full
-        elif dims.pipeline.enabled and dims.pipeline.zero_bubble:
-            # The weight pass keeps its recomputes (module docstring): full AC is no cure there.
-            fixes.append(
-                f"use parallelism.pp_schedule Interleaved1F1B or 1F1B (under {dims.pipeline.pp_schedule} full AC "
-                "keeps the weight pass's recomputed activations, docs/performance.md)"
-            )
-            if dims.pipeline.pp_schedule == "DualPipeV":
-                # Late in the step its ranks keep weight passes waiting (`weight_pass_drain`).
-                fixes.append("lower parallelism.pp_max_deferred_weight_passes (e.g. 8: docs/parallelism.md)")
-        raise ConfigError(
-            f"the run does not fit: estimated {need:.1f} GiB per device > available {available / GiB:.1f} GiB on "
-            f"{where} (seq_len {t.seq_len}, local_batch_size {t.local_batch_size}, activation_checkpoint "
-            f"{cfg.activation_checkpoint.mode}; largest term {biggest} {g[biggest]:.1f} GiB, trainer/memory.py); "
-            f"{', '.join(fixes)}, or shard over more devices"
-        )
-    return est
