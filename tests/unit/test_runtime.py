@@ -52,8 +52,10 @@ def test_steps_reuse_freed_memory_without_page_faults():
     # glibc's default unmaps each large block on free, so every step faults its activations in again.
     assert default > 3 * 2 * block_pages
     # Kept: steady-state steps reuse freed blocks; an occasional step still grows the heap by one
-    # block (raising only the mmap threshold, without the trim one, measured ~3 blocks here).
-    assert kept < 2.5 * block_pages, (default, kept)
+    # block (raising only the mmap threshold, without the trim one, measured ~3 blocks here). Over
+    # the three steps counted that is 1-2 blocks of faults, and 3.0 once in a full-suite run
+    # (2026-12-08, the host reclaiming pages): the bound is a third of the default's 3 x 2 blocks.
+    assert kept < 4 * block_pages, (default, kept)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
