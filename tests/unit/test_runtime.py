@@ -54,7 +54,7 @@ def test_steps_reuse_freed_memory_without_page_faults():
     # Kept: steady-state steps reuse freed blocks; an occasional step still grows the heap by one
     # block (raising only the mmap threshold, without the trim one, measured ~3 blocks here). Over
     # the three steps counted that is 1-2 blocks of faults, and 3.0 once in a full-suite run
-    # (2026-12-08, the host reclaiming pages): the bound is a third of the default's 3 x 2 blocks.
+    # (2026-12-08, the host reclaiming pages): the bound, 4 blocks, is a third of the default's 12.
     assert kept < 4 * block_pages, (default, kept)
 
 
