@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.diagnostics import set_torchrun_env
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 COMMON = [
@@ -56,14 +58,6 @@ def train(flags: list[str], folder: Path) -> dict[int, dict] | None:
     return records
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    """The environment `Trainer` initialises its process group from (env://), as torchrun sets it."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-
-
 def run(rank: int, world: int, port: int, pair_cases: list[dict[str, list[str]]], pair_ports: list[int],
         cases: dict[str, list[str]], references: dict[int, tuple[str, list[str]]], folder: str, queue) -> None:
     """On `world` = 4 ranks: ``references`` first (one process each), then pair ``rank // 2``'s
@@ -81,7 +75,7 @@ def run(rank: int, world: int, port: int, pair_cases: list[dict[str, list[str]]]
         (pair_rank, 2, pair_ports[pair], pair_cases[pair]),
         (rank, world, port, cases),
     ):
-        _join(group_rank, group_world, group_port)
+        set_torchrun_env(group_rank, group_world, group_port)
         try:
             for name, flags in group_cases.items():
                 records = train(flags, Path(folder) / name)

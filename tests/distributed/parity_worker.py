@@ -146,16 +146,15 @@ def run(
     rank: int, nproc: int, port: int, layouts: list[str], tp_cp_layouts: list[str], reference: bool, queue
 ) -> None:
     """Puts (rank, results by layout) on `queue`; rank 0's also hold the reference's."""
+    from trainer.diagnostics import set_torchrun_env
+
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         if reference and rank == 0:
             os.environ["WORLD_SIZE"] = "1"
             results["single"] = run_layout("single", workdir)
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )
+        set_torchrun_env(rank, nproc, port)
         for layout in layouts:
             if LAYOUTS[layout][0] != nproc:
                 raise ValueError(f"layout {layout} needs {LAYOUTS[layout][0]} ranks, not {nproc}")

@@ -11,19 +11,13 @@ Trainer joins a fresh process group and destroys it when it closes.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from trainer.diagnostics import set_torchrun_env
 
 
 def run(rank: int, world: int, port: int, cwd: str, args: list[str], queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    set_torchrun_env(rank, world, port)
     from in_process import run_main
 
     queue.put(run_main(Path(cwd), *args))

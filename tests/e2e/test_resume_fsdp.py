@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import list_checkpoints, read_model_state_dict
-from trainer.diagnostics import spawn_local
+from trainer.diagnostics import set_torchrun_env, spawn_local
 from trainer.train import main
 
 pytestmark = pytest.mark.numerics  # docs/numerics.md
@@ -80,10 +80,8 @@ def _two_process_runs(rank: int, world: int, port: int, tmp: Path, queue) -> Non
     from trainer.distributed import destroy_distributed
     from trainer.trainer import Trainer
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled",
-    )
+    set_torchrun_env(rank, world, port)
+    os.environ["WANDB_MODE"] = "disabled"
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in a launch
 
     def train(run_dir: Path, *extra: str) -> None:

@@ -9,12 +9,20 @@ a training run.
                      torch's ``MemTracker``) and its collectives
 * collectives.py     ``CollectiveRecorder``: every collective of a step (name, group size, bytes)
 * launch.py          ``spawn_local`` / ``init_local_gloo`` / ``free_port``: N local gloo ranks;
+                     ``set_torchrun_env``: a spawned rank's torchrun environment (for a Trainer);
                      ``spawn_local_jobs``: several targets, one after another, in one spawn;
                      ``start_lighthouse``: torchft's lighthouse for replica-group runs
 """
 
 from trainer.diagnostics.collectives import Collective, CollectiveRecorder
-from trainer.diagnostics.launch import free_port, init_local_gloo, spawn_local, spawn_local_jobs, start_lighthouse
+from trainer.diagnostics.launch import (
+    free_port,
+    init_local_gloo,
+    set_torchrun_env,
+    spawn_local,
+    spawn_local_jobs,
+    start_lighthouse,
+)
 from trainer.diagnostics.memory_tracker import StepMemTracker, own_shape_propagation, track_step
 from trainer.diagnostics.model_overrides import ModelOverrideError, apply_overrides
 from trainer.diagnostics.step_counters import HostReadCounter, profile_step
@@ -31,6 +39,7 @@ __all__ = [
     "init_local_gloo",
     "own_shape_propagation",
     "profile_step",
+    "set_torchrun_env",
     "spawn_local",
     "spawn_local_jobs",
     "start_lighthouse",

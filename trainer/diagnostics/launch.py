@@ -53,6 +53,16 @@ def init_local_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def set_torchrun_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives one of ``world`` workers on this machine meeting at ``port``
+    (rank, local rank, world sizes, master address and port): what a `Trainer` in a spawned rank
+    initialises its process group from (env://), as under run_train.sh."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+
+
 def spawn_local(target: Callable, world: int, *args, results: int | None = None, timeout: float = 600) -> list[Any]:
     """Run `target(rank, world, port, *args, queue)` in `world` spawned processes (a fresh port
     for `init_local_gloo`) and return the first `results` items (default: one per rank) they put
